@@ -1,0 +1,42 @@
+# gshard developer entry points. Needs only Python 3.11 and make.
+#   make venv   create .venv (if missing) and install gshard[test] with exact pins
+#   make test   run the test suite on 8 emulated CPU devices
+#   make demo   run examples/demo.py
+#   make bench  run benchmarks/run.py
+#   make clean  remove caches and build artifacts (keeps .venv; see distclean)
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test demo bench clean distclean
+
+venv: $(STAMP)
+
+# Create the venv only when its interpreter is missing.
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when the dependency declarations change. The venv's python is
+# an order-only prerequisite so its mtime never forces a reinstall.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -c constraints.txt -e '.[test]'
+	touch $@
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) examples/demo.py
+
+bench: venv
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis $(STAMP)
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

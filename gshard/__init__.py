@@ -1,0 +1,18 @@
+"""gshard: annotate a single-device JAX program, get it sharded over a mesh.
+
+Public API::
+
+  gshard.split / gshard.replicate / gshard.shard   annotations in model code
+  gshard.make_mesh                                 a mesh with Auto axes
+  gshard.infer_shardings                           propagation over a whole program
+  gshard.TensorSharding                            the sharding value
+"""
+
+from gshard._mesh import make_mesh
+from gshard.annotate import replicate, shard, split
+from gshard.spmd.infer import ShardingResult, infer_shardings
+from gshard.spmd.sharding import TensorSharding
+
+__all__ = ["ShardingResult", "TensorSharding", "infer_shardings", "make_mesh",
+           "replicate", "shard", "split"]
+__version__ = "0.1.0"

@@ -1,0 +1,38 @@
+"""``make_mesh``: a device mesh with Auto axes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+
+def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices=None) -> Mesh:
+  """A mesh of ``shape`` named ``names`` whose axes are all ``Auto``.
+
+  ``jax.make_mesh`` defaults to Explicit axes, which make ``shard_map`` refuse
+  unsharded inputs; gshard wants Auto axes.
+
+  Example::
+
+    mesh = gshard.make_mesh((2, 4), ("data", "model"))   # 8 devices
+  """
+  shape, names = tuple(shape), tuple(names)
+  if len(shape) != len(names):
+    raise ValueError(f"make_mesh(shape={shape}, names={names}): give one name per "
+                     "mesh dimension.")
+  if len(set(names)) != len(names):
+    raise ValueError(f"make_mesh(shape={shape}, names={names}): names must be distinct.")
+  n = 1
+  for s in shape:
+    n *= s
+  available = len(devices) if devices is not None else jax.device_count()
+  if n > available:
+    raise ValueError(
+        f"make_mesh(shape={shape}, names={names}) needs {n} devices but "
+        f"{available} are available. On CPU, set XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={n} before importing jax, or use "
+        f"jax.sharding.AbstractMesh({shape}, {names}) to lower without devices.")
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
+                       devices=devices)

@@ -1,0 +1,6 @@
+"""Sharding annotations: ``split``, ``replicate``, ``shard`` and their primitive."""
+
+from gshard.annotate._api import mesh_context, replicate, shard, split
+from gshard.annotate._primitive import Annotation, annotate_p
+
+__all__ = ["Annotation", "annotate_p", "mesh_context", "replicate", "shard", "split"]

@@ -1,0 +1,145 @@
+"""``split`` / ``replicate`` / ``shard``: annotations users write in model code.
+
+Each validates its arguments at call time and binds :data:`annotate_p`, an
+identity on values. Outside gshard the annotated code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gshard.annotate._primitive import Annotation, annotate_p
+from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str,
+                                  open_dims_of_spec)
+
+_current_mesh: contextvars.ContextVar[Mapping[str, int] | None] = (
+    contextvars.ContextVar("gshard_mesh", default=None))
+
+
+@contextlib.contextmanager
+def mesh_context(mesh) -> Iterator[None]:
+  """While tracing under gshard, annotations check axis names against ``mesh``."""
+  token = _current_mesh.set(mesh_sizes_of(mesh))
+  try:
+    yield
+  finally:
+    _current_mesh.reset(token)
+
+
+def _describe(x) -> str:
+  dtype = getattr(x, "dtype", None)
+  shape = tuple(getattr(x, "shape", ()))
+  from gshard.spmd.sharding import _short_dtype
+  return f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]"
+
+
+def _as_array(x):
+  return x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
+
+
+def _check_axes(call: str, x, spec_axes: list[tuple[str, ...]]) -> None:
+  seen: dict[str, int] = {}
+  for dim, axes in enumerate(spec_axes):
+    for a in axes:
+      if not isinstance(a, str):
+        raise TypeError(f"{call}: mesh axis names must be strings, got {a!r}.")
+      if a in seen:
+        raise ValueError(
+            f"{call}: x is {_describe(x)}; mesh axis {a!r} is used for dim "
+            f"{seen[a]} and again for dim {dim}. A mesh axis can split only one "
+            "dimension; use a different axis for one of them.")
+      seen[a] = dim
+  mesh = _current_mesh.get()
+  if mesh is not None:
+    for axes in spec_axes:
+      for a in axes:
+        if a not in mesh:
+          raise ValueError(
+              f"{call}: x is {_describe(x)}; mesh axis {a!r} is not in the mesh "
+              f"{mesh_str(mesh)}. Use one of {list(mesh)}.")
+
+
+def shard(x, spec: P):
+  """Annotate ``x`` with a general sharding given as a ``PartitionSpec``.
+
+  Args:
+    x: an array of rank r.
+    spec: a ``PartitionSpec`` with at most r entries; each entry is None (not
+      split), a mesh axis name, a tuple of names (split over their product,
+      major first) or ``P.UNCONSTRAINED`` (left for propagation to decide).
+
+  Returns:
+    ``x`` unchanged; under gshard the value has this sharding here.
+
+  Example::
+
+    h = gshard.shard(h, P("data", None, "model"))  # h: f32[B, T, H]
+  """
+  x = _as_array(x)
+  if spec is None:
+    spec = P()
+  if not isinstance(spec, P):
+    raise TypeError(
+        f"shard(x, spec={spec!r}): spec must be a jax.sharding.PartitionSpec, "
+        f"e.g. P('data', None) for x of rank {np.ndim(x)}.")
+  call = f"shard(x, {spec})"
+  rank = np.ndim(x)
+  if len(spec) > rank:
+    raise ValueError(
+        f"{call}: x is {_describe(x)} (rank {rank}) but the spec has "
+        f"{len(spec)} entries. Give at most one entry per dimension, e.g. "
+        f"{P(*list(spec)[:rank])}.")
+  open_dims = open_dims_of_spec(spec)
+  spec_axes = [_axes(e) for e in spec]
+  _check_axes(call, x, spec_axes)
+  sharding = TensorSharding(tuple(spec_axes) + ((),) * (rank - len(spec_axes)))
+  return annotate_p.bind(x, annotation=Annotation(sharding, open_dims))
+
+
+def _axes(entry) -> tuple[str, ...]:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(entry)
+
+
+def split(x, dim: int, axis: str | tuple[str, ...]):
+  """Annotate ``x`` as split along ``dim`` over mesh ``axis`` (or axes, major first).
+
+  Every other dim is replicated. ``dim`` may be negative.
+
+  Example::
+
+    x = gshard.split(x, dim=0, axis="data")  # x: f32[B, D], B split over 'data'
+  """
+  x = _as_array(x)
+  rank = np.ndim(x)
+  call = f"split(x, dim={dim}, axis={axis!r})"
+  if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
+    raise TypeError(f"{call}: dim must be an int, got {type(dim).__name__}.")
+  if not -rank <= dim < rank:
+    raise ValueError(
+        f"{call}: x is {_describe(x)} (rank {rank}); dim must be in "
+        f"[{-rank}, {rank - 1}].")
+  if not axis:
+    raise ValueError(f"{call}: give a mesh axis name (or a tuple of names); "
+                     "to replicate use gshard.replicate(x).")
+  axes = (axis,) if isinstance(axis, str) else tuple(axis)
+  dim = int(dim) % rank
+  _check_axes(call, x, [axes])
+  dims = tuple(axes if i == dim else () for i in range(rank))
+  return annotate_p.bind(x, annotation=Annotation(TensorSharding(dims)))
+
+
+def replicate(x):
+  """Annotate ``x`` as fully replicated: every device holds the whole value."""
+  x = _as_array(x)
+  return annotate_p.bind(
+      x, annotation=Annotation(TensorSharding.replicated(np.ndim(x))))

@@ -1,0 +1,169 @@
+"""``infer_shardings``: trace a function and give every variable a sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import source_info_util
+from jax.sharding import PartitionSpec as P
+
+from gshard.annotate import mesh_context
+from gshard.spmd.printing import format_jaxpr
+from gshard.spmd.propagate import Conflict, Graph, propagate, source_of
+from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str,
+                                  open_dims_of_spec)
+
+# Frames inside gshard are not the user's source line.
+source_info_util.register_exclusion(__file__.rsplit("/spmd/", 1)[0])
+
+
+def _is_spec_leaf(x) -> bool:
+  return x is None or isinstance(x, P)
+
+
+def flatten_specs(specs, args: Sequence[Any], what: str = "in_specs"):
+  """Broadcast a pytree prefix of PartitionSpecs (or None) to the leaves of args.
+
+  Returns ``(leaves, paths, specs)`` as flat lists.
+  """
+  leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
+  paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
+  leaves = [x for _, x in leaves_with_paths]
+  if specs is None or isinstance(specs, P):
+    flat = [specs] * len(leaves)
+  else:
+    if isinstance(specs, list):
+      specs = tuple(specs)
+    if not isinstance(specs, tuple):
+      specs = (specs,)
+    try:
+      from jax._src.tree_util import broadcast_prefix
+      flat = broadcast_prefix(specs, tuple(args), is_leaf=_is_spec_leaf)
+    except ValueError as e:
+      raise ValueError(
+          f"{what} must be a pytree prefix of the arguments (a tuple with one "
+          f"entry per positional argument, PartitionSpecs or None at the leaves): "
+          f"{e}") from None
+  return leaves, paths, flat
+
+
+def spec_to_pin(spec: P, shape, mesh_sizes, where: str):
+  """A checked (sharding, open dims) for an argument spec; errors name ``where``."""
+  shape = tuple(shape)
+  rank = len(shape)
+  if len(spec) > rank:
+    raise ValueError(
+        f"{where}: the argument has shape {shape} (rank {rank}) but its spec {spec} "
+        f"has {len(spec)} entries, on mesh {mesh_str(mesh_sizes)}. Give at most one "
+        f"entry per dimension, e.g. {P(*list(spec)[:rank])}.")
+  open_dims = open_dims_of_spec(spec)
+  sharding = TensorSharding.from_spec(spec, rank) if not open_dims else \
+      TensorSharding.from_spec(P(*[None if i in open_dims else e
+                                   for i, e in enumerate(spec)]), rank)
+  seen = set()
+  for a in [a for d in sharding.dims for a in d]:
+    if a not in mesh_sizes:
+      raise ValueError(
+          f"{where}: spec {spec} for shape {shape} names mesh axis {a!r}, which is "
+          f"not in the mesh {mesh_str(mesh_sizes)}. Use one of {list(mesh_sizes)}.")
+    if a in seen:
+      raise ValueError(f"{where}: spec {spec} uses mesh axis {a!r} twice.")
+    seen.add(a)
+  return sharding, open_dims
+
+
+@dataclasses.dataclass
+class ShardingResult:
+  """What propagation found for one traced program.
+
+  Attributes:
+    jaxpr: the traced ``ClosedJaxpr``.
+    mesh_sizes: mesh axis name -> size.
+    graph: every tensor (nested jaxprs included) with its sharding.
+    conflicts: where tensors disagreed, what was chosen and why.
+    unsupported: (primitive, source line) of equations without a sharding rule.
+    sweeps: propagation sweeps to the fixed point.
+  """
+
+  jaxpr: Any
+  mesh_sizes: dict[str, int]
+  graph: Graph
+  conflicts: list[Conflict]
+  unsupported: list[tuple[str, str]]
+  sweeps: int
+
+  def sharding(self, var, scope: tuple = ()) -> TensorSharding:
+    """The sharding of ``var`` (in the nested scope ``scope``; top level by default)."""
+    t = self.graph.tensors.get((scope, var))
+    if t is None:
+      return TensorSharding.replicated(len(getattr(var.aval, "shape", ())))
+    return t.sharding
+
+  @property
+  def shardings(self) -> dict[tuple, TensorSharding]:
+    """(scope, var) -> sharding, for every variable of the program."""
+    return {k: t.sharding for k, t in self.graph.tensors.items()}
+
+  @property
+  def in_shardings(self) -> list[TensorSharding]:
+    return [self.sharding(v) for v in self.jaxpr.jaxpr.invars]
+
+  @property
+  def out_shardings(self) -> list[TensorSharding]:
+    return [self.sharding(v) for v in self.jaxpr.jaxpr.outvars]
+
+  def pretty(self, source: bool = True) -> str:
+    """The jaxpr, every variable typed like ``f32[64@data,1024@model]``."""
+    def of(scope, var):
+      t = self.graph.tensors.get((scope, var))
+      return t.sharding if t is not None else None
+    return format_jaxpr(self.jaxpr.jaxpr, of, source_of=source_of if source else None)
+
+  def __str__(self) -> str:
+    text = self.pretty()
+    if self.conflicts:
+      text += "\n\nconflicts settled:\n" + "\n".join(f"  {c}" for c in self.conflicts)
+    if self.unsupported:
+      text += "\n\nno sharding rule (outputs left replicated):\n" + "\n".join(
+          f"  {p} at {s}" for p, s in self.unsupported)
+    return text
+
+
+def infer_shardings(fn: Callable, mesh, in_specs=None) -> Callable[..., ShardingResult]:
+  """Trace ``fn`` and propagate shardings over its whole jaxpr.
+
+  Args:
+    fn: the function (a train step, say), annotated with ``gshard.split`` etc.
+    mesh: a jax ``Mesh`` / ``AbstractMesh`` (or ``gshard.make_mesh``).
+    in_specs: a pytree prefix of the positional arguments, PartitionSpecs at the
+      leaves; ``None`` (whole or per leaf) lets propagation decide.
+
+  Returns:
+    A function of the arguments (arrays or ``ShapeDtypeStruct``s) returning a
+    :class:`ShardingResult`.
+
+  Example::
+
+    res = gshard.infer_shardings(step, mesh, in_specs=(param_specs, P("data")))(params, x)
+    print(res)
+  """
+  mesh_sizes = mesh_sizes_of(mesh)
+
+  def run(*args) -> ShardingResult:
+    leaves, paths, specs = flatten_specs(in_specs, args)
+    with mesh_context(mesh_sizes):
+      closed = jax.make_jaxpr(fn)(*args)
+    graph = Graph(closed.jaxpr, mesh_sizes)
+    for var, leaf, path, spec in zip(closed.jaxpr.invars, leaves, paths, specs):
+      if spec is None:
+        continue
+      where = f"in_specs{path}"
+      sharding, open_dims = spec_to_pin(spec, leaf.shape, mesh_sizes, where)
+      graph.pin(graph.tensor((), var), sharding, open_dims, where)
+    sweeps, conflicts = propagate(graph)
+    return ShardingResult(closed, mesh_sizes, graph, conflicts, graph.unsupported, sweeps)
+
+  return run

@@ -1,0 +1,16 @@
+"""The annotation primitive: identity, with its result pinned by the user."""
+
+from __future__ import annotations
+
+from gshard.spmd.rules._core import IN, OUT, Constraint, OpRule, Pin, register
+from gshard.spmd.rules.control import _identity
+
+
+def annotation_rule(in_avals, out_avals, *, annotation) -> OpRule:
+  del out_avals
+  shape = tuple(in_avals[0].shape)
+  return OpRule((Constraint(_identity(shape, linear="none"), (IN(0),), (OUT(0),)),),
+                pins=(Pin(OUT(0), annotation.sharding, annotation.open_dims),))
+
+
+register("sharding_annotation", annotation_rule)

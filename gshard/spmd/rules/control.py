@@ -1,0 +1,108 @@
+"""Calls and control flow: links between outer values and inner jaxpr values.
+
+A nested ``jit``, ``custom_jvp_call``, ``custom_vjp_call`` or ``checkpoint``
+links operand i to inner invar i and inner outvar j to result j (identity
+factor rules). ``scan`` also links each carry's output back to its input and
+strips the scanned dim of ``xs``/``ys``; ``while`` and ``cond`` likewise. The
+engine then treats inner variables like any other.
+"""
+
+from __future__ import annotations
+
+from gshard.spmd.rules._core import (IN, OUT, SUB_IN, SUB_OUT, Constraint, FactorRule,
+                                     OpRule, factor_rule, letters, register)
+
+
+def _identity(shape, linear="unary") -> FactorRule:
+  f = letters(len(shape))
+  return factor_rule(f"{f}->{f}", [shape], [shape], linear=linear)
+
+
+def _link(src, dst, shape, linear="unary") -> Constraint:
+  return Constraint(_identity(tuple(shape), linear), (src,), (dst,))
+
+
+def _strip_leading(outer, inner, outer_shape, to_inner: bool) -> Constraint:
+  """``f32[T,a,b]`` outer to ``f32[a,b]`` inner: ``zab->ab`` with ``z`` blocked."""
+  rank = len(outer_shape) - 1
+  f = letters(rank)
+  if to_inner:
+    rule = factor_rule(f"z{f}->{f}", [outer_shape], [outer_shape[1:]], blocked="z")
+    return Constraint(rule, (outer,), (inner,))
+  rule = factor_rule(f"{f}->z{f}", [outer_shape[1:]], [outer_shape], blocked="z")
+  return Constraint(rule, (inner,), (outer,))
+
+
+def call_rule(in_avals, out_avals, *, jaxpr_param: str, **params) -> OpRule:
+  """``jit(f)(x, y)``: links x and y to f's invars and f's outvars to the results."""
+  del params
+  path = (jaxpr_param,)
+  cons = [_link(IN(i), SUB_IN(path, i), a.shape) for i, a in enumerate(in_avals)]
+  cons += [_link(SUB_OUT(path, j), OUT(j), a.shape) for j, a in enumerate(out_avals)]
+  return OpRule(tuple(cons))
+
+
+def scan_rule(in_avals, out_avals, *, num_consts, num_carry, **params) -> OpRule:
+  path = ("jaxpr",)
+  cons = []
+  for i in range(num_consts):
+    cons.append(_link(IN(i), SUB_IN(path, i), in_avals[i].shape))
+  for c in range(num_carry):
+    i = num_consts + c
+    shape = in_avals[i].shape
+    cons.append(_link(IN(i), SUB_IN(path, i), shape, linear="none"))
+    cons.append(_link(SUB_OUT(path, c), SUB_IN(path, i), shape, linear="none"))
+    cons.append(_link(SUB_OUT(path, c), OUT(c), shape, linear="none"))
+  for i in range(num_consts + num_carry, len(in_avals)):
+    cons.append(_strip_leading(IN(i), SUB_IN(path, i), in_avals[i].shape, True))
+  for j in range(num_carry, len(out_avals)):
+    cons.append(_strip_leading(OUT(j), SUB_OUT(path, j), out_avals[j].shape, False))
+  return OpRule(tuple(cons))
+
+
+def while_rule(in_avals, out_avals, *, cond_nconsts, body_nconsts, **params) -> OpRule:
+  cond, body = ("cond_jaxpr",), ("body_jaxpr",)
+  cons = []
+  for i in range(cond_nconsts):
+    cons.append(_link(IN(i), SUB_IN(cond, i), in_avals[i].shape))
+  for i in range(body_nconsts):
+    k = cond_nconsts + i
+    cons.append(_link(IN(k), SUB_IN(body, i), in_avals[k].shape))
+  for c, a in enumerate(out_avals):
+    k = cond_nconsts + body_nconsts + c
+    cons.append(_link(IN(k), SUB_IN(body, body_nconsts + c), a.shape, linear="none"))
+    cons.append(_link(IN(k), SUB_IN(cond, cond_nconsts + c), a.shape, linear="none"))
+    cons.append(_link(SUB_OUT(body, c), SUB_IN(body, body_nconsts + c), a.shape,
+                      linear="none"))
+    cons.append(_link(SUB_OUT(body, c), SUB_IN(cond, cond_nconsts + c), a.shape,
+                      linear="none"))
+    cons.append(_link(SUB_OUT(body, c), OUT(c), a.shape, linear="none"))
+  return OpRule(tuple(cons))
+
+
+def cond_rule(in_avals, out_avals, *, branches, **params) -> OpRule:
+  cons = []
+  for k in range(len(branches)):
+    path = ("branches", k)
+    for i, a in enumerate(in_avals[1:]):
+      cons.append(_link(IN(i + 1), SUB_IN(path, i), a.shape, linear="none"))
+    for j, a in enumerate(out_avals):
+      cons.append(_link(SUB_OUT(path, j), OUT(j), a.shape, linear="none"))
+  return OpRule(tuple(cons))
+
+
+register("jit", lambda i, o, **p: call_rule(i, o, jaxpr_param="jaxpr", **p))
+register("pjit", lambda i, o, **p: call_rule(i, o, jaxpr_param="jaxpr", **p))
+register("closed_call", lambda i, o, **p: call_rule(i, o, jaxpr_param="call_jaxpr", **p))
+register("core_call", lambda i, o, **p: call_rule(i, o, jaxpr_param="call_jaxpr", **p))
+register("custom_jvp_call",
+         lambda i, o, **p: call_rule(i, o, jaxpr_param="call_jaxpr", **p))
+register("custom_vjp_call",
+         lambda i, o, **p: call_rule(i, o, jaxpr_param="call_jaxpr", **p))
+register("custom_vjp_call_jaxpr",
+         lambda i, o, **p: call_rule(i, o, jaxpr_param="fun_jaxpr", **p))
+register("remat2", lambda i, o, **p: call_rule(i, o, jaxpr_param="jaxpr", **p))
+register("checkpoint", lambda i, o, **p: call_rule(i, o, jaxpr_param="jaxpr", **p))
+register("scan", scan_rule)
+register("while", while_rule)
+register("cond", cond_rule)

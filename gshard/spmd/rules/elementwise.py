@@ -1,0 +1,47 @@
+"""Elementwise primitives: every operand and result shares the same factors.
+
+Rank-0 operands (scalar literals, ``select_n``'s scalar predicate) hold no
+factors. One family helper registers all of them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from gshard.spmd.rules._core import FactorRule, factor_rule, letters, register, shapes
+
+
+def elementwise_rule(in_avals, out_avals, *, linear: str = "none", **params) -> FactorRule:
+  """``add`` of two ``f32[8,16]``: ``ab,ab->ab``; a scalar operand is ``''``."""
+  del params
+  rank = len(out_avals[0].shape)
+  f = letters(rank)
+  ins = [f if len(s) == rank else "" for s in shapes(in_avals)]
+  for s in shapes(in_avals):
+    if len(s) not in (0, rank):
+      raise ValueError(f"elementwise operand of rank {len(s)} with result rank {rank}")
+  return factor_rule(",".join(ins) + "->" + ",".join([f] * len(out_avals)),
+                     shapes(in_avals), shapes(out_avals), linear=linear)
+
+
+def register_elementwise(names: str, linear: str = "none") -> None:
+  for name in names.split():
+    register(name, functools.partial(elementwise_rule, linear=linear))
+
+
+# Nonlinear maps: a pending partial sum must be resolved before them.
+register_elementwise(
+    "abs acos acosh asin asinh atan atan2 atanh cbrt ceil clamp cos cosh "
+    "digamma erf erf_inv erfc exp exp2 expm1 floor igamma igammac imag is_finite "
+    "lgamma log log1p logistic max min nextafter polygamma pow random_gamma_grad "
+    "real regularized_incomplete_beta rem round rsqrt sign sin sinh sqrt square "
+    "tan tanh integer_pow zeta bessel_i0e bessel_i1e conj complex "
+    "eq ne lt le gt ge and or not xor shift_left shift_right_arithmetic "
+    "shift_right_logical population_count clz select_n "
+    "reduce_precision stop_gradient optimization_barrier")
+# Linear maps of their one operand: a partial sum passes through.
+register_elementwise("neg convert_element_type copy copy_p real_to_complex "
+                     "sharding_constraint", linear="unary")
+register_elementwise("add sub add_any", linear="sum")
+register_elementwise("mul", linear="product")
+register_elementwise("div", linear="first")

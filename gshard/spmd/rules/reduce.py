@@ -1,0 +1,63 @@
+"""Reductions, scans along a dim, and sorts.
+
+``reduce_sum`` over a split dim leaves a pending partial sum (a ``sum``
+factor); ``reduce_max``/``argmax`` ... over a split dim need a cross-device
+reduction of their own kind (``reduce`` factors). Cumulative ops and sorts
+block their dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from gshard.spmd.rules._core import FactorRule, factor_rule, letters, register, shapes
+
+
+def reduce_rule(in_avals, out_avals, *, axes, kind: str, **params) -> FactorRule:
+  """``reduce_sum(f32[8,16], axes=(1,))`` is ``ab->a sum={b}``."""
+  del params
+  rank = len(in_avals[0].shape)
+  f = letters(rank)
+  out = "".join(c for i, c in enumerate(f) if i not in axes)
+  reduced = "".join(f[i] for i in axes)
+  n = len(in_avals)   # variadic reductions (reduce_max of several) share factors
+  spec = ",".join([f] * n) + "->" + ",".join([out] * len(out_avals))
+  if kind == "sum":
+    return factor_rule(spec, shapes(in_avals), shapes(out_avals), reduction=reduced,
+                       linear="unary")
+  return factor_rule(spec, shapes(in_avals), shapes(out_avals), other_reduction=reduced)
+
+
+def along_dim_rule(in_avals, out_avals, *, dim_param: str, linear: str = "none",
+                   **params) -> FactorRule:
+  """Every operand/result shares factors; the dim named by ``dim_param`` is blocked.
+
+  ``cumsum(f32[4,8], axis=1)`` is ``ab->ab blocked={b}``.
+  """
+  dim = params[dim_param]
+  rank = len(in_avals[0].shape)
+  f = letters(rank)
+  spec = ",".join([f] * len(in_avals)) + "->" + ",".join([f] * len(out_avals))
+  return factor_rule(spec, shapes(in_avals), shapes(out_avals), blocked=f[dim % rank],
+                     linear=linear)
+
+
+def top_k_rule(in_avals, out_avals, **params) -> FactorRule:
+  """``top_k(f32[4,50], k=2)``: ``ab->aC,aC`` with ``b`` and ``C`` blocked."""
+  del params
+  rank = len(in_avals[0].shape)
+  f = letters(rank - 1)
+  return factor_rule(f"{f}y->{f}z,{f}z", shapes(in_avals), shapes(out_avals),
+                     blocked="yz")
+
+
+for _name in ("reduce_sum",):
+  register(_name, functools.partial(reduce_rule, kind="sum"))
+for _name in ("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+              "reduce_xor", "argmax", "argmin"):
+  register(_name, functools.partial(reduce_rule, kind=_name))
+register("cumsum", functools.partial(along_dim_rule, dim_param="axis", linear="unary"))
+for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
+  register(_name, functools.partial(along_dim_rule, dim_param="axis"))
+register("sort", functools.partial(along_dim_rule, dim_param="dimension"))
+register("top_k", top_k_rule)

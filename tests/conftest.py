@@ -1,0 +1,49 @@
+"""Test configuration shared by the whole suite.
+
+The suite runs on 8 emulated CPU devices, so that meshes such as (2, 4) or (8,)
+exist on any laptop or CI box. XLA reads XLA_FLAGS once, when the backend is
+first created, so the flag must be in the environment before jax is imported.
+"""
+
+import os
+import re
+
+_DEVICE_COUNT = 8
+_FLAG = f"--xla_force_host_platform_device_count={_DEVICE_COUNT}"
+
+# Append to any XLA_FLAGS already set, replacing an earlier device-count flag so
+# the value is unambiguous.
+_existing = re.sub(
+    r"--xla_force_host_platform_device_count=\S*", "",
+    os.environ.get("XLA_FLAGS", ""),
+).split()
+os.environ["XLA_FLAGS"] = " ".join([*_existing, _FLAG])
+# Run on the CPU host platform unless the caller chose a platform explicitly;
+# on a machine with one accelerator jax.devices() would otherwise return 1 device.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (must come after XLA_FLAGS is set)
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+assert len(jax.devices()) == _DEVICE_COUNT, (
+    f"expected {_DEVICE_COUNT} devices, got {jax.devices()}: jax was imported "
+    f"before tests/conftest.py could set XLA_FLAGS={os.environ['XLA_FLAGS']!r}, "
+    f"or JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r} selects a platform "
+    "with a different number of devices"
+)
+
+# Hypothesis: "ci" (default) is reproducible and bounded; jax compilation makes
+# per-example time unpredictable, so no deadline. Select "dev" with
+# HYPOTHESIS_PROFILE=dev for a longer, randomized search.
+settings.register_profile("ci", deadline=None, max_examples=30, derandomize=True)
+settings.register_profile("dev", deadline=None, max_examples=300)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def devices():
+    """The 8 emulated devices, in jax's order."""
+    devs = jax.devices()
+    assert len(devs) == _DEVICE_COUNT
+    return devs
