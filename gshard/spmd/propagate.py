@@ -370,18 +370,58 @@ def _result_partial(bound: Bound, mesh) -> frozenset[str]:
   return frozenset(partial)
 
 
-def _mark_partials(graph: Graph) -> None:
+def _accepts(bound: Bound, t: Tensor) -> bool:
+  """Whether ``bound`` lets operand ``t``'s pending partial sum through."""
+  ops = [o for o in bound.operands if o is not None]
+  parts = [o.sharding.partial for o in ops]
+  lin = bound.rule.linear
+  if lin == "unary":
+    return len(ops) == 1
+  if lin == "sum":
+    return all(p == parts[0] for p in parts)
+  if lin == "product":
+    return sum(1 for p in parts if p) == 1
+  if lin == "first":
+    return bound.operands[0] is t and not any(parts[1:])
+  return False
+
+
+def _forward_partials(graph: Graph, resolved: set[int]) -> None:
   found: dict[int, frozenset[str]] = {}
   for b in graph.bounds:
     p = _result_partial(b, graph.mesh_sizes)
     for t in b.results:
       if t is None or t.fixed:
         continue
-      q = p - t.sharding.axes
+      q = frozenset() if id(t) in resolved else p - t.sharding.axes
       prev = found.get(id(t))
       q = q if prev is None else (q & prev)
       found[id(t)] = q
       t.sharding = t.sharding.with_partial(q)
+
+
+def _mark_partials(graph: Graph) -> None:
+  """Mark pending partial sums, in program order.
+
+  A value stays pending only while every consumer lets it through (linear
+  ops); otherwise it is resolved where it is produced, once, however many
+  consumers it has. Program outputs are resolved.
+  """
+  consumers: dict[int, list[Bound]] = {}
+  for b in graph.bounds:
+    for t in b.operands:
+      if t is not None:
+        consumers.setdefault(id(t), []).append(b)
+  resolved = {id(graph.tensor((), v)) for v in graph.top.outvars
+              if graph.tensor((), v) is not None}
+  for _ in range(len(graph.tensors) + 1):
+    _forward_partials(graph, resolved)
+    bad = {id(t) for t in graph.tensors.values() if t.sharding.partial and
+           id(t) not in resolved and
+           not all(_accepts(b, t) for b in consumers.get(id(t), ()))}
+    if not bad:
+      return
+    resolved |= bad
 
 
 def _conflicts(graph: Graph) -> list[Conflict]:

@@ -12,13 +12,24 @@ from gshard.spmd.rules._core import FactorRule, factor_rule, letters, register, 
 
 
 def elementwise_rule(in_avals, out_avals, *, linear: str = "none", **params) -> FactorRule:
-  """``add`` of two ``f32[8,16]``: ``ab,ab->ab``; a scalar operand is ``''``."""
+  """``add`` of two ``f32[8,16]``: ``ab,ab->ab``; a scalar operand is ``''``.
+
+  An operand dim of size 1 against a larger result dim (implicit broadcast)
+  gets a size-1 factor of its own: ``f32[8,1] * f32[8,16]`` is ``aC,ab->ab``.
+  """
   del params
-  rank = len(out_avals[0].shape)
+  out_shape = tuple(out_avals[0].shape)
+  rank = len(out_shape)
   f = letters(rank)
-  ins = [f if len(s) == rank else "" for s in shapes(in_avals)]
+  extra = iter(letters(rank * (len(in_avals) + 1), rank))
+  ins = []
   for s in shapes(in_avals):
-    if len(s) not in (0, rank):
+    if len(s) == 0:
+      ins.append("")
+    elif len(s) == rank:
+      ins.append("".join(c if n == m else next(extra)
+                         for c, n, m in zip(f, s, out_shape)))
+    else:
       raise ValueError(f"elementwise operand of rank {len(s)} with result rank {rank}")
   return factor_rule(",".join(ins) + "->" + ",".join([f] * len(out_avals)),
                      shapes(in_avals), shapes(out_avals), linear=linear)
