@@ -5,14 +5,17 @@ Public API::
   gshard.split / gshard.replicate / gshard.shard   annotations in model code
   gshard.make_mesh                                 a mesh with Auto axes
   gshard.infer_shardings                           propagation over a whole program
+  gshard.partition                                 the per-device program, run or lowered
   gshard.TensorSharding                            the sharding value
 """
 
 from gshard._mesh import make_mesh
 from gshard.annotate import replicate, shard, split
 from gshard.spmd.infer import ShardingResult, infer_shardings
+from gshard.spmd.partition import Collective, PartitionWarning, Partitioned, partition
 from gshard.spmd.sharding import TensorSharding
 
-__all__ = ["ShardingResult", "TensorSharding", "infer_shardings", "make_mesh",
-           "replicate", "shard", "split"]
+__all__ = ["Collective", "PartitionWarning", "Partitioned", "ShardingResult",
+           "TensorSharding", "infer_shardings", "make_mesh", "partition", "replicate",
+           "shard", "split"]
 __version__ = "0.1.0"

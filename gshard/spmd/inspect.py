@@ -1,0 +1,153 @@
+"""The ``Lowered`` object: read what the partitioner built.
+
+Follows JAX's AOT convention: ``as_text()`` StableHLO, ``compile()`` a
+compiled object (``as_text()``, ``memory_analysis()``, ``cost_analysis()``);
+plus ``as_text("jaxpr")`` the per-device program, ``shardings()``,
+``collectives()`` and ``explain()``.
+"""
+
+from __future__ import annotations
+
+import collections
+
+
+import jax
+
+from gshard.spmd.partition.context import Collective
+from gshard.spmd.sharding import TensorSharding, mesh_str
+
+
+class Lowered:
+  """A partitioned program lowered for one input signature."""
+
+  def __init__(self, partitioned, entry, lowered, structs):
+    self._p = partitioned
+    self._entry = entry
+    self._lowered = lowered
+    self._structs = structs
+
+  # -- text ------------------------------------------------------------------
+  def as_text(self, dialect: str | None = None) -> str:
+    """``"jaxpr"``: the per-device program; default: StableHLO; ``"hlo"``: HLO."""
+    if dialect == "jaxpr":
+      return str(self.per_device_jaxpr())
+    if dialect in (None, "stablehlo", "mlir"):
+      return self._lowered.as_text()
+    return self._lowered.as_text(dialect=dialect)
+
+  def per_device_jaxpr(self):
+    """The body of the shard_map: the program each device runs (a Jaxpr)."""
+    closed = jax.make_jaxpr(self._entry.shard_fn)(*self._structs)
+    for eqn in closed.jaxpr.eqns:
+      if eqn.primitive.name == "shard_map":
+        return eqn.params["jaxpr"]
+    return closed.jaxpr
+
+  def compile(self):
+    return self._lowered.compile()
+
+  # -- shardings -------------------------------------------------------------
+  @property
+  def propagation(self):
+    """The :class:`ShardingResult` of the global program."""
+    return self._entry.result
+
+  def shardings(self) -> dict[tuple, TensorSharding]:
+    """(scope, var) -> sharding, every variable of the global program."""
+    return self._entry.result.shardings
+
+  @property
+  def in_shardings(self) -> list[TensorSharding]:
+    return list(self._entry.in_shardings)
+
+  @property
+  def out_shardings(self) -> list[TensorSharding]:
+    return list(self._entry.out_shardings)
+
+  # -- communication -----------------------------------------------------------
+  def collectives(self) -> list[Collective]:
+    """Every collective of the per-device program, with its cause."""
+    return list(self._entry.recorder.collectives)
+
+  @property
+  def fallbacks(self) -> list[tuple[str, str]]:
+    """(primitive, source line) of each equation that took the safe path."""
+    return list(self._entry.recorder.fallbacks)
+
+  def total_bytes(self) -> int:
+    return sum(c.bytes for c in self.collectives())
+
+  @property
+  def timings(self) -> dict[str, float]:
+    """Seconds spent in trace / propagate / partition set-up / lower."""
+    return dict(self._entry.timings)
+
+  def explain(self, top: int = 20) -> str:
+    """A report a user can act on: largest communication first, with causes."""
+    cols = self.collectives()
+    res = self._entry.result
+    lines = [f"gshard partition report: mesh {mesh_str(res.mesh_sizes)}, "
+             f"{len(res.graph.tensors)} values, {len(cols)} collectives, "
+             f"{_fmt_bytes(self.total_bytes())} sent per device"]
+    by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for c in cols:
+      by_kind[c.kind][0] += 1
+      by_kind[c.kind][1] += c.bytes
+    if by_kind:
+      lines.append("  by kind: " + ", ".join(
+          f"{k} x{n} ({_fmt_bytes(b)})" for k, (n, b) in sorted(by_kind.items())))
+    lines.append("")
+    lines.append("largest communication first:")
+    groups: dict[tuple, list[Collective]] = collections.defaultdict(list)
+    for c in cols:
+      groups[(c.kind, c.axes, c.source, c.primitive, c.role, str(c.src), str(c.dst))].append(c)
+    ranked = sorted(groups.values(), key=lambda g: -sum(c.bytes for c in g))
+    for g in ranked[:top]:
+      c = g[0]
+      total = sum(x.bytes for x in g)
+      times = f" x{len(g)}" if len(g) > 1 else ""
+      lines.append(f"  {_fmt_bytes(total):>10}  {c.kind}[{','.join(c.axes)}]{times}  "
+                   f"{c.src.format(c.shape, c.dtype)} -> {c.dst.format(c.shape, c.dtype)}")
+      lines.append(f"              {c.primitive} {c.role} at {c.source}")
+      hint = _hint(c)
+      if hint:
+        lines.append(f"              hint: {hint}")
+    if len(ranked) > top:
+      lines.append(f"  ... {len(ranked) - top} more")
+    if self.fallbacks:
+      lines.append("")
+      lines.append("safe path taken (operands gathered, computed replicated):")
+      for prim, where in self.fallbacks:
+        lines.append(f"  {prim} at {where}")
+    if res.conflicts:
+      lines.append("")
+      lines.append(f"conflicts settled by propagation ({len(res.conflicts)}):")
+      for c in res.conflicts[:10]:
+        lines.append(f"  {c}")
+      if len(res.conflicts) > 10:
+        lines.append(f"  ... {len(res.conflicts) - 10} more")
+    return "\n".join(lines)
+
+
+def _hint(c: Collective) -> str:
+  if c.fallback:
+    return "full rematerialisation: annotate this value to avoid the gather"
+  if c.kind == "all_gather":
+    dims = [i for i, (a, b) in enumerate(zip(c.src.dims, c.dst.dims)) if a != b]
+    return (f"dims {dims} are gathered; an annotation keeping them split there "
+            "(or splitting the consumer the same way) removes it")
+  if c.kind in ("psum", "psum_scatter"):
+    return ("a split contracting/reduced dim leaves a partial sum; this is the "
+            "expected reduction of tensor/data parallelism")
+  if c.kind == "all_to_all":
+    return "a split moves between dims here (expected in expert parallelism)"
+  return ""
+
+
+def _fmt_bytes(n: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n} B"
+

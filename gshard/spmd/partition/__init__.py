@@ -1,0 +1,6 @@
+"""The SPMD partitioner: per-device programs with explicit collectives."""
+
+from gshard.spmd.partition.api import Partitioned, partition
+from gshard.spmd.partition.context import Collective, PartitionWarning
+
+__all__ = ["Collective", "PartitionWarning", "Partitioned", "partition"]

@@ -1,0 +1,175 @@
+"""What partition rules see: values with their shardings, and a context that
+reshards (through ``spmd/reshard.py``, the one place collectives are chosen)
+and records every collective with its cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from gshard.spmd import reshard as _reshard
+from gshard.spmd.propagate import Graph, source_of
+from gshard.spmd.sharding import TensorSharding
+
+
+class PartitionWarning(UserWarning):
+  """A primitive took the safe path (operands gathered, computed replicated)."""
+
+
+@dataclasses.dataclass
+class Value:
+  """A per-device value inside the shard_map body, with its global shape."""
+
+  x: Any
+  sharding: TensorSharding
+  shape: tuple[int, ...]
+  dtype: Any
+  literal: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of the per-device program and why it is there.
+
+  Attributes:
+    kind: ``all_gather``, ``all_to_all``, ``psum``, ``psum_scatter``,
+      ``ppermute``, ``pmax`` ...
+    axes: the mesh axes it runs over.
+    bytes: bytes sent per device (ring formulas).
+    primitive: the equation that needed it.
+    role: which of its values: ``operand 0``, ``result 0``, ``output 1`` ...
+    src, dst: the value's sharding before and after.
+    shape, dtype: the value's global shape and dtype.
+    source: the user's file:line.
+    fallback: True for a full gather-and-recompute (the safe path).
+  """
+
+  kind: str
+  axes: tuple[str, ...]
+  bytes: int
+  primitive: str
+  role: str
+  src: TensorSharding
+  dst: TensorSharding
+  shape: tuple[int, ...]
+  dtype: str
+  source: str
+  fallback: bool = False
+
+  def __str__(self) -> str:
+    return (f"{self.kind}[{','.join(self.axes)}] {self.bytes} B/device  "
+            f"{self.src.format(self.shape, self.dtype)} -> "
+            f"{self.dst.format(self.shape, self.dtype)}  ({self.primitive} {self.role} "
+            f"at {self.source})")
+
+
+@dataclasses.dataclass
+class Recorder:
+  collectives: list[Collective] = dataclasses.field(default_factory=list)
+  fallbacks: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+  def clear(self) -> None:
+    self.collectives.clear()
+    self.fallbacks.clear()
+
+
+def evenize(s: TensorSharding, shape, mesh_sizes) -> TensorSharding:
+  """Drop trailing axes of any dim they would split unevenly.
+
+  ``[model]`` on a dim of 30 over model=4 becomes unsplit: uneven splits take
+  the replicated path in this version.
+  """
+  dims = []
+  for n, axes in zip(shape, s.dims):
+    keep = list(axes)
+    while keep and n % math.prod(mesh_sizes[a] for a in keep):
+      keep.pop()
+    dims.append(tuple(keep))
+  return TensorSharding(tuple(dims), s.partial)
+
+
+class Context:
+  """Shared state of one partitioning: graph, mesh, recorder, options."""
+
+  def __init__(self, graph: Graph, mesh_sizes: Mapping[str, int], recorder: Recorder,
+               strict: bool):
+    self.graph = graph
+    self.mesh_sizes = dict(mesh_sizes)
+    self.recorder = recorder
+    self.strict = strict
+
+  # -- shardings ------------------------------------------------------------
+  def target(self, scope, var) -> TensorSharding:
+    """The propagated sharding of ``var``, as the runtime holds it."""
+    t = self.graph.tensors.get((scope, var))
+    shape = tuple(getattr(var.aval, "shape", ()))
+    if t is None:
+      return TensorSharding.replicated(len(shape))
+    return evenize(t.sharding, shape, self.mesh_sizes)
+
+  # -- communication --------------------------------------------------------
+  def reshard(self, v: Value, dst: TensorSharding, eqn, role: str) -> Value:
+    """``v`` laid out as ``dst``; collectives recorded against ``eqn``."""
+    if v.literal or v.sharding == dst:
+      return dataclasses.replace(v, sharding=dst) if v.literal else v
+    plan = _reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
+    src_name = source_of(eqn) if eqn is not None else "program output"
+    prim = eqn.primitive.name if eqn is not None else "output"
+    for step in plan.steps:
+      if step.kind in ("slice", "pad", "local"):
+        continue
+      self.recorder.collectives.append(Collective(
+          step.kind, tuple(step.axes), int(step.bytes_per_device), prim, role,
+          v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
+          else str(v.dtype), src_name, bool(plan.fallback)))
+    x = _reshard.apply_plan(v.x, plan, v.shape, self.mesh_sizes)
+    return Value(x, dst, v.shape, v.dtype)
+
+  def record(self, kind: str, axes, nbytes: int, eqn, role: str, src: TensorSharding,
+             dst: TensorSharding, shape, dtype) -> None:
+    self.recorder.collectives.append(Collective(
+        kind, tuple(axes), int(nbytes), eqn.primitive.name, role, src, dst, tuple(shape),
+        str(dtype), source_of(eqn)))
+
+  def fallback(self, eqn, why: str) -> None:
+    """Report the safe path; under ``strict=True`` it is an error."""
+    where = source_of(eqn)
+    msg = (f"gshard: no partition rule for {eqn.primitive.name} ({why}) at {where}: "
+           "its operands are gathered and it is computed replicated. Pass "
+           "strict=True to make this an error.")
+    if self.strict:
+      raise NotImplementedError(msg.replace("Pass strict=True to make this an error.",
+                                            "strict=True forbids the safe path."))
+    self.recorder.fallbacks.append((eqn.primitive.name, where))
+    warnings.warn(msg, PartitionWarning, stacklevel=2)
+
+  # -- device coordinates ---------------------------------------------------
+  def linear_index(self, axes) -> Any:
+    """This device's index along ``axes`` (major first), as a traced int32."""
+    idx = jnp_int(0)
+    for a in axes:
+      idx = idx * self.mesh_sizes[a] + lax.axis_index(a)
+    return idx
+
+  def num_shards(self, axes) -> int:
+    return math.prod(self.mesh_sizes[a] for a in axes)
+
+
+def _is_np(dtype) -> bool:
+  try:
+    np.dtype(dtype)
+    return True
+  except TypeError:
+    return False
+
+
+def jnp_int(v: int):
+  return jax.numpy.int32(v)

@@ -1,0 +1,50 @@
+"""The interpreter: runs a jaxpr per device inside ``jax.shard_map``.
+
+For each equation it looks up the partition rule, which reshards operands to
+what the local op needs, binds the op on local values and says how its
+results are sharded; each result is then brought to its propagated sharding
+(pending partial sums stay pending where propagation kept them pending). The
+driver knows no primitive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from jax.extend.core import Literal
+
+from gshard.spmd.partition.context import Context, Value
+from gshard.spmd.partition.rules import partition_rule_for
+from gshard.spmd.sharding import TensorSharding
+
+
+def literal_value(v: Literal) -> Value:
+  shape = tuple(np.shape(v.val))
+  return Value(v.val, TensorSharding.replicated(len(shape)), shape,
+               getattr(v.aval, "dtype", None), literal=True)
+
+
+def run_jaxpr(ctx: Context, jaxpr, scope: tuple, consts: Sequence,
+              args: Sequence[Value]) -> list[Value]:
+  """Interpret ``jaxpr`` on per-device values; returns its outputs' values."""
+  env: dict = {}
+
+  def read(v) -> Value:
+    return literal_value(v) if isinstance(v, Literal) else env[v]
+
+  for v, c in zip(jaxpr.constvars, consts):
+    shape = tuple(np.shape(c))
+    env[v] = Value(c, TensorSharding.replicated(len(shape)), shape, v.aval.dtype)
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = ctx.reshard(a, ctx.target(scope, v), None, "argument") \
+        if a.sharding != ctx.target(scope, v) else a
+  for idx, eqn in enumerate(jaxpr.eqns):
+    ins = [read(v) for v in eqn.invars]
+    rule = partition_rule_for(eqn)
+    outs = rule(ctx, eqn, ins, scope, idx)
+    for j, (v, out) in enumerate(zip(eqn.outvars, outs)):
+      if type(v).__name__ == "DropVar":
+        continue
+      env[v] = ctx.reshard(out, ctx.target(scope, v), eqn, f"result {j}")
+  return [read(v) for v in jaxpr.outvars]
