@@ -64,7 +64,7 @@ def gpt_init(key, vocab: int = 128, d_model: int = 64, n_heads: int = 4,
         "w1": normal((d_model, d_ff), d_model),
         "w2": normal((d_ff, d_model), d_ff),
     })
-  return {"embed": normal((vocab, d_model), 1.0), "layers": layers,
+  return {"embed": normal((vocab, d_model), d_model), "layers": layers,
           "ln_f": jnp.ones((d_model,))}
 
 

@@ -136,11 +136,6 @@ def _hint(c: Collective) -> str:
     dims = [i for i, (a, b) in enumerate(zip(c.src.dims, c.dst.dims)) if a != b]
     return (f"dims {dims} are gathered; an annotation keeping them split there "
             "(or splitting the consumer the same way) removes it")
-  if c.kind in ("psum", "psum_scatter"):
-    return ("a split contracting/reduced dim leaves a partial sum; this is the "
-            "expected reduction of tensor/data parallelism")
-  if c.kind == "all_to_all":
-    return "a split moves between dims here (expected in expert parallelism)"
   return ""
 
 

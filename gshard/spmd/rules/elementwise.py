@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
+
 from gshard.spmd.rules._core import FactorRule, factor_rule, letters, register, shapes
 
 
@@ -51,8 +53,18 @@ register_elementwise(
     "shift_right_logical population_count clz select_n "
     "reduce_precision stop_gradient optimization_barrier")
 # Linear maps of their one operand: a partial sum passes through.
-register_elementwise("neg convert_element_type copy copy_p real_to_complex "
-                     "sharding_constraint", linear="unary")
+register_elementwise("neg copy copy_p real_to_complex sharding_constraint",
+                     linear="unary")
+
+
+def convert_rule(in_avals, out_avals, **params) -> FactorRule:
+  """A conversion between float types is linear; to an int or bool it is not."""
+  floats = all(jnp.issubdtype(a.dtype, jnp.inexact) for a in (*in_avals, *out_avals))
+  return elementwise_rule(in_avals, out_avals, linear="unary" if floats else "none",
+                          **params)
+
+
+register("convert_element_type", convert_rule)
 register_elementwise("add sub add_any", linear="sum")
 register_elementwise("mul", linear="product")
 register_elementwise("div", linear="first")
