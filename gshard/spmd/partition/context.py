@@ -105,6 +105,7 @@ class Context:
     self.mesh_sizes = dict(mesh_sizes)
     self.recorder = recorder
     self.strict = strict
+    self.repeat = 1          # trip count of the loops being traced (bytes scale)
 
   # -- shardings ------------------------------------------------------------
   def target(self, scope, var) -> TensorSharding:
@@ -127,7 +128,8 @@ class Context:
       if step.kind in ("slice", "pad", "local"):
         continue
       self.recorder.collectives.append(Collective(
-          step.kind, tuple(step.axes), int(step.bytes_per_device), prim, role,
+          step.kind, tuple(step.axes), int(step.bytes_per_device) * self.repeat, prim,
+          role,
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
           else str(v.dtype), src_name, bool(plan.fallback)))
     x = _reshard.apply_plan(v.x, plan, v.shape, self.mesh_sizes)
@@ -136,7 +138,8 @@ class Context:
   def record(self, kind: str, axes, nbytes: int, eqn, role: str, src: TensorSharding,
              dst: TensorSharding, shape, dtype) -> None:
     self.recorder.collectives.append(Collective(
-        kind, tuple(axes), int(nbytes), eqn.primitive.name, role, src, dst, tuple(shape),
+        kind, tuple(axes), int(nbytes) * self.repeat, eqn.primitive.name, role, src, dst,
+        tuple(shape),
         str(dtype), source_of(eqn)))
 
   def fallback(self, eqn, why: str) -> None:

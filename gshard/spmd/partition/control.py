@@ -1,0 +1,132 @@
+"""Partition rules for loops and branches: the per-device program keeps them.
+
+``scan`` stays one ``lax.scan`` whose body is the partitioned body: carries
+hold one sharding across iterations (the one propagation settled on for the
+body's carry inputs), ``xs``/``ys`` are split like the body's per-step values
+with the scanned dim unsplit. ``while`` and ``cond`` likewise. Collectives in
+a loop body count once per iteration (``scan``'s length is known; a
+``while``'s is not, and is reported per iteration).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from jax import lax
+
+from gshard.spmd.partition.context import Context, Value
+from gshard.spmd.partition.interpret import run_jaxpr
+from gshard.spmd.partition.rules import partition_rules
+from gshard.spmd.sharding import TensorSharding
+
+
+def _stacked(s: TensorSharding) -> TensorSharding:
+  """The sharding of ``T`` stacked values of sharding ``s``: ``[a,b] -> [_,a,b]``."""
+  return TensorSharding(((),) + s.dims)
+
+
+def _unstacked(v: Value, s: TensorSharding, x) -> Value:
+  return Value(x, s, v.shape[1:], v.dtype)
+
+
+@contextlib.contextmanager
+def _repeated(ctx: Context, n: int):
+  old = ctx.repeat
+  ctx.repeat = old * n
+  try:
+    yield
+  finally:
+    ctx.repeat = old
+
+
+def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  p = eqn.params
+  closed = p["jaxpr"]
+  jaxpr = closed.jaxpr
+  sub = scope + ((idx, ("jaxpr",)),)
+  nc, nk = p["num_consts"], p["num_carry"]
+  invars, outvars = jaxpr.invars, jaxpr.outvars
+  consts = [ctx.reshard(ins[i], ctx.target(sub, invars[i]), eqn, f"operand {i}")
+            for i in range(nc)]
+  carry_s = [ctx.target(sub, invars[nc + c]).without_partial() for c in range(nk)]
+  init = [ctx.reshard(ins[nc + c], carry_s[c], eqn, f"carry {c}") for c in range(nk)]
+  x_s = [ctx.target(sub, v).without_partial() for v in invars[nc + nk:]]
+  xs = [ctx.reshard(v, _stacked(s), eqn, f"xs {k}")
+        for k, (v, s) in enumerate(zip(ins[nc + nk:], x_s))]
+  y_s = [ctx.target(sub, v).without_partial() if hasattr(v, "aval") else None
+         for v in outvars[nk:]]
+  y_s = [s if s is not None else TensorSharding.replicated(len(a.aval.shape) - 1)
+         for s, a in zip(y_s, eqn.outvars[nk:])]
+
+  def body(carry, x):
+    args = consts + [Value(c, s, v.shape, v.dtype) for c, s, v in zip(carry, carry_s, init)]
+    args += [_unstacked(v, s, xi) for v, s, xi in zip(xs, x_s, x)]
+    outs = run_jaxpr(ctx, jaxpr, sub, closed.consts, args)
+    new = [ctx.reshard(o, s, eqn, f"carry {c}").x
+           for c, (o, s) in enumerate(zip(outs[:nk], carry_s))]
+    ys = [ctx.reshard(o, s, eqn, f"ys {k}").x
+          for k, (o, s) in enumerate(zip(outs[nk:], y_s))]
+    return new, ys
+
+  with _repeated(ctx, p["length"]):
+    carry, ys = lax.scan(body, [v.x for v in init], [v.x for v in xs],
+                         length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+  outs = [Value(c, s, v.shape, v.dtype) for c, s, v in zip(carry, carry_s, init)]
+  outs += [Value(y, _stacked(s), tuple(o.aval.shape), o.aval.dtype)
+           for y, s, o in zip(ys, y_s, eqn.outvars[nk:])]
+  return outs
+
+
+def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  p = eqn.params
+  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  csub = scope + ((idx, ("cond_jaxpr",)),)
+  bsub = scope + ((idx, ("body_jaxpr",)),)
+  cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+  carry_s = [ctx.target(bsub, v).without_partial() for v in body.jaxpr.invars[bn:]]
+  init = [ctx.reshard(v, s, eqn, f"carry {c}")
+          for c, (v, s) in enumerate(zip(init, carry_s))]
+
+  def values(xs):
+    return [Value(x, s, v.shape, v.dtype) for x, s, v in zip(xs, carry_s, init)]
+
+  def cond_fun(xs):
+    (pred,) = run_jaxpr(ctx, cond.jaxpr, csub, cond.consts, list(cconsts) + values(xs))
+    return ctx.reshard(pred, TensorSharding.replicated(0), eqn, "predicate").x
+
+  def body_fun(xs):
+    outs = run_jaxpr(ctx, body.jaxpr, bsub, body.consts, list(bconsts) + values(xs))
+    return [ctx.reshard(o, s, eqn, f"carry {c} (per iteration)").x
+            for c, (o, s) in enumerate(zip(outs, carry_s))]
+
+  out = lax.while_loop(cond_fun, body_fun, [v.x for v in init])
+  return values(out)
+
+
+def cond_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  branches = eqn.params["branches"]
+  index = ctx.reshard(ins[0], TensorSharding.replicated(0), eqn, "operand 0")
+  ops = ins[1:]
+  out_s = [ctx.target(scope, v).without_partial() if hasattr(v, "aval") else
+           TensorSharding.replicated(0) for v in eqn.outvars]
+
+  def branch(k):
+    br = branches[k]
+    sub = scope + ((idx, ("branches", k)),)
+
+    def f(*xs):
+      args = [dataclasses.replace(v, x=x) for v, x in zip(ops, xs)]
+      outs = run_jaxpr(ctx, br.jaxpr, sub, br.consts, args)
+      return [ctx.reshard(o, s, eqn, f"result {j}").x
+              for j, (o, s) in enumerate(zip(outs, out_s))]
+    return f
+
+  outs = lax.switch(index.x, [branch(k) for k in range(len(branches))],
+                    *[v.x for v in ops])
+  return [Value(x, s, tuple(v.aval.shape), v.aval.dtype)
+          for x, s, v in zip(outs, out_s, eqn.outvars)]
+
+
+partition_rules.update({"scan": scan_rule, "while": while_rule, "cond": cond_rule})
