@@ -241,12 +241,25 @@ def report(res, params, opt_state, seconds: float) -> str:
   return "\n".join(lines)
 
 
-def main() -> None:
+def propagation_report() -> None:
   mesh, step, args, in_specs = make_problem()
   start = time.perf_counter()
   res = gshard.infer_shardings(step, mesh, in_specs=in_specs)(*args)
   seconds = time.perf_counter() - start
   print(report(res, args[0], args[1], seconds))
+
+
+def main() -> None:
+  """Train on a 2x4 mesh, then print the partition report.
+
+  ``python examples/demo.py --propagation`` prints the propagation report of
+  the same train step instead.
+  """
+  if "--propagation" in sys.argv:
+    propagation_report()
+    return
+  from examples import train_gpt
+  train_gpt.main()
 
 
 if __name__ == "__main__":
