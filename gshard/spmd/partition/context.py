@@ -106,6 +106,19 @@ class Context:
     self.recorder = recorder
     self.strict = strict
     self.repeat = 1          # trip count of the loops being traced (bytes scale)
+    self.enclosing: list = []   # call equations whose inner jaxpr is running
+
+  def source(self, eqn) -> str:
+    """The user's file:line of ``eqn``; for an equation inside a library's
+    jitted function (``jnp.fft.fft``), whose own traceback has no user frame,
+    that of the innermost enclosing call that has one."""
+    if eqn is None:
+      return "program output"
+    for e in [eqn, *reversed(self.enclosing)]:
+      where = source_of(e)
+      if where:
+        return where
+    return "<unknown source>"
 
   # -- shardings ------------------------------------------------------------
   def target(self, scope, var) -> TensorSharding:
@@ -118,11 +131,19 @@ class Context:
 
   # -- communication --------------------------------------------------------
   def reshard(self, v: Value, dst: TensorSharding, eqn, role: str) -> Value:
-    """``v`` laid out as ``dst``; collectives recorded against ``eqn``."""
+    """``v`` laid out as ``dst``; collectives recorded against ``eqn``.
+
+    A reshard never creates a pending sum: ``dst``'s pending axes that ``v``
+    does not have are dropped (propagation may keep a sum pending over an
+    axis whose uneven split :func:`evenize` removed, so the local op never
+    produced it).
+    """
+    if dst.partial - v.sharding.partial:
+      dst = dst.with_partial(dst.partial & v.sharding.partial)
     if v.literal or v.sharding == dst:
       return dataclasses.replace(v, sharding=dst) if v.literal else v
     plan = _reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
-    src_name = source_of(eqn) if eqn is not None else "program output"
+    src_name = self.source(eqn)
     prim = eqn.primitive.name if eqn is not None else "output"
     for step in plan.steps:
       if step.kind in ("slice", "pad", "local"):
@@ -140,11 +161,11 @@ class Context:
     self.recorder.collectives.append(Collective(
         kind, tuple(axes), int(nbytes) * self.repeat, eqn.primitive.name, role, src, dst,
         tuple(shape),
-        str(dtype), source_of(eqn)))
+        str(dtype), self.source(eqn)))
 
   def fallback(self, eqn, why: str) -> None:
     """Report the safe path; under ``strict=True`` it is an error."""
-    where = source_of(eqn)
+    where = self.source(eqn)
     msg = (f"gshard: no partition rule for {eqn.primitive.name} ({why}) at {where}: "
            "its operands are gathered and it is computed replicated. Pass "
            "strict=True to make this an error.")

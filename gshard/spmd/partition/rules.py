@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gshard.spmd import reshard as _reshard_mod
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.propagate import Bound, _accepts, _solve, _unproject
 from gshard.spmd.rules import IN, OUT, FactorRule, OpRule, sharding_rules
@@ -75,12 +76,53 @@ def _factor_rule(eqn) -> FactorRule:
 
 def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(),
                allow_other_reduction=False) -> LocalPlan:
-  """Per-factor axes for the local op, and the operand/result shardings they imply."""
+  """Per-factor axes for the local op, and the operand/result shardings they imply.
+
+  Two candidates: the factor axes propagation settled on for the whole
+  equation, and those its operands hold (compute where the data is, then
+  reshard the result: GShard's einsum option (a), which turns a split moving
+  from G to E in MoE dispatch into one all-to-all instead of gathering the
+  operands). The one that sends fewer bytes wins; ties go to the first.
+  """
   rule = _factor_rule(eqn)
   g = ctx.graph
-  bound = Bound(rule, [g.tensor(scope, v) for v in eqn.invars],
-                [g.tensor(scope, v) for v in eqn.outvars], eqn, scope)
-  choice, _, _ = _solve(bound, ctx.mesh_sizes)
+  operands = [g.tensor(scope, v) for v in eqn.invars]
+  results = [g.tensor(scope, v) for v in eqn.outvars]
+  candidates = [_solve(Bound(rule, operands, results, eqn, scope), ctx.mesh_sizes)[0]]
+  if any(r is not None for r in results):
+    candidates.append(_solve(Bound(rule, operands, [None] * len(results), eqn, scope),
+                             ctx.mesh_sizes)[0])
+  plans = [_plan_for(ctx, eqn, ins, scope, rule, c, blocked, allow_other_reduction)
+           for c in candidates]
+  if len(plans) == 1:
+    return plans[0]
+  costs = [_plan_cost(ctx, eqn, ins, scope, p) for p in plans]
+  return plans[costs.index(min(costs))]
+
+
+def _plan_cost(ctx: Context, eqn, ins, scope, plan: LocalPlan) -> int:
+  """Bytes per device to reshard operands into ``plan`` and results out of it."""
+  total = 0
+  for v, s in zip(ins, plan.operands):
+    if s is not None and v.sharding != s:
+      total += _reshard_mod.plan_reshard(v.sharding, s, v.shape, v.dtype,
+                                         ctx.mesh_sizes).bytes_per_device
+  for var, s in zip(eqn.outvars, plan.results):
+    if type(var).__name__ == "DropVar":
+      continue
+    t = ctx.target(scope, var)
+    if t != s:
+      try:
+        total += _reshard_mod.plan_reshard(s, t, tuple(var.aval.shape), var.aval.dtype,
+                                           ctx.mesh_sizes).bytes_per_device
+      except ValueError:   # would need to create a partial sum: not a candidate
+        return 1 << 62
+  return total
+
+
+def _plan_for(ctx: Context, eqn, ins, scope, rule: FactorRule, choice, blocked,
+              allow_other_reduction) -> LocalPlan:
+  choice = dict(choice)
   sizes = rule.size_of
   for f in rule.factors:
     axes = list(choice.get(f, ()))
