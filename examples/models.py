@@ -116,3 +116,40 @@ def gpt_loss(params, tokens, targets):
   logp = jax.nn.log_softmax(logits, axis=-1)
   gold = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   return -gold.mean()
+
+
+# -- the same Transformer with its layers stacked and scanned (MaxText style) --
+
+def gpt_scan_init(key, vocab: int = 128, d_model: int = 64, n_heads: int = 4,
+                  n_layers: int = 2, d_ff: int = 256):
+  """Like :func:`gpt_init`, with the layers stacked on a leading dim."""
+  p = gpt_init(key, vocab, d_model, n_heads, n_layers, d_ff)
+  layers = jax.tree.map(lambda *xs: jnp.stack(xs), *p["layers"])
+  return {"embed": p["embed"], "layers": layers, "ln_f": p["ln_f"]}
+
+
+def gpt_scan_specs(params):
+  """The specs of :func:`gpt_specs`, with the stacked (layer) dim unsplit."""
+  del params
+  layer = {"ln1": P(), "ln2": P(), "wq": P(None, None, "model"),
+           "wk": P(None, None, "model"), "wv": P(None, None, "model"),
+           "wo": P(None, "model"), "w1": P(None, None, "model"), "w2": P(None, "model")}
+  return {"embed": P("model"), "layers": layer, "ln_f": P()}
+
+
+def gpt_scan_loss(params, tokens, targets):
+  """:func:`gpt_loss` with ``lax.scan`` over the stacked layers."""
+  tokens = gshard.split(tokens, 0, "data")
+  x = params["embed"][tokens]
+
+  def layer_fn(x, layer):
+    x = x + _attention(_layer_norm(x, layer["ln1"]), layer)
+    h = jax.nn.gelu(_layer_norm(x, layer["ln2"]) @ layer["w1"])
+    h = gshard.shard(h, P("data", None, "model"))
+    return x + h @ layer["w2"], None
+
+  x, _ = jax.lax.scan(layer_fn, x, params["layers"])
+  logits = _layer_norm(x, params["ln_f"]) @ params["embed"].T
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  gold = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return -gold.mean()
