@@ -30,7 +30,7 @@ from jax.extend.core import Literal
 
 from gshard.spmd.rules import as_op_rule, sharding_rules
 from gshard.spmd.rules._core import Constraint, FactorRule, Ref
-from gshard.spmd.sharding import Axes, TensorSharding, mesh_str
+from gshard.spmd.sharding import Axes, TensorSharding, _short_dtype, mesh_str
 
 Scope = tuple          # path of (eqn index, param path) from the top jaxpr
 MAX_SWEEPS = 200
@@ -144,18 +144,21 @@ class Graph:
       self.tensors[key] = t
     return t
 
-  def _walk(self, jaxpr, scope: Scope) -> None:
+  def _walk(self, jaxpr, scope: Scope, outer_source: str = "") -> None:
+    # Equations jax's own code emits (inside jnp's nested jits) have no user
+    # frame: they are reported at the user's call of the enclosing equation.
     for v in list(jaxpr.constvars) + list(jaxpr.invars):
       self.tensor(scope, v)
     for idx, eqn in enumerate(jaxpr.eqns):
       subs = {path: j for path, j in sub_jaxprs(eqn.params)}
       rule_fn = sharding_rules.get(eqn.primitive.name)
+      src = source_of(eqn) or outer_source
       for v in eqn.outvars:
         self.tensor(scope, v)
       if rule_fn is None:
-        self.unsupported.append((eqn.primitive.name, source_of(eqn)))
+        self.unsupported.append((eqn.primitive.name, src))
         for path, j in subs.items():
-          self._walk(j, scope + ((idx, path),))
+          self._walk(j, scope + ((idx, path),), src)
         continue
       in_avals = [v.aval for v in eqn.invars]
       out_avals = [v.aval for v in eqn.outvars]
@@ -181,18 +184,19 @@ class Graph:
 
       self.bounds += [bind(c) for c in op_rule.constraints if not reads_inner_out(c)]
       for path, j in subs.items():
-        self._walk(j, scope + ((idx, path),))
+        self._walk(j, scope + ((idx, path),), src)
       self.bounds += [bind(c) for c in op_rule.constraints if reads_inner_out(c)]
       for pin in op_rule.pins:
         t = resolve(pin.ref)
-        self.pin(t, pin.sharding, pin.open_dims, f"annotation at {source_of(eqn)}")
+        if t is not None:   # a dropped result (DropVar) needs no sharding
+          self.pin(t, pin.sharding, pin.open_dims, f"annotation at {src}")
 
   def pin(self, t: Tensor, sharding: TensorSharding, open_dims: frozenset[int],
           what: str) -> None:
     for a in sorted(sharding.axes):
       if a not in self.mesh_sizes:
         raise ValueError(
-            f"{what}: value {t.var} is {sharding.format(t.shape, t.dtype)}; mesh "
+            f"{what}: the value is {sharding.format(t.shape, t.dtype)}; mesh "
             f"axis {a!r} is not in the mesh {mesh_str(self.mesh_sizes)}. Use one of "
             f"{list(self.mesh_sizes)}.")
     t.sharding = sharding.without_partial()
@@ -347,8 +351,11 @@ def _step(bound: Bound, mesh) -> bool:
 
 # -- partial sums and conflicts, after the fixed point -----------------------
 
-def _result_partial(bound: Bound, mesh) -> frozenset[str]:
+def _reduced_axes(bound: Bound, mesh) -> frozenset[str]:
+  """Axes of the split ``sum`` factors (as the operands hold them)."""
   rule = bound.rule
+  if not rule.reduction:
+    return frozenset()
   holders, _ = _holders(bound, mesh)
   n_ops = sum(1 for t in bound.operands if t is not None)
   partial: set[str] = set()
@@ -356,11 +363,18 @@ def _result_partial(bound: Bound, mesh) -> frozenset[str]:
     hs = [h for h in holders[f] if h.order < n_ops]
     c = _choose(f, hs, rule, mesh) if hs else None
     partial.update(c or ())
+  return frozenset(partial)
+
+
+def _result_partial(bound: Bound, mesh, reduced: frozenset[str] | None = None
+                    ) -> frozenset[str]:
+  rule = bound.rule
+  partial = set(_reduced_axes(bound, mesh) if reduced is None else reduced)
   ops = [t for t in bound.operands if t is not None]
   parts = [t.sharding.partial for t in ops]
   if rule.linear == "unary" and len(ops) == 1:
     partial |= parts[0]
-  elif rule.linear == "sum" and parts and all(p == parts[0] for p in parts):
+  elif rule.linear == "sum" and parts and all(p == parts[0] for p in _sum_parts(bound)):
     partial |= parts[0]
   elif rule.linear == "product" and sum(1 for p in parts if p) == 1:
     partial |= next(p for p in parts if p)
@@ -368,6 +382,15 @@ def _result_partial(bound: Bound, mesh) -> frozenset[str]:
       and not any(parts[1:]):
     partial |= bound.operands[0].sharding.partial
   return frozenset(partial)
+
+
+def _sum_parts(bound: Bound) -> list[frozenset[str]]:
+  """Partial axes of every operand of an add-like op; a literal is unpartial.
+
+  ``x + 1.0`` with ``x`` pending over ``model`` is not a partial sum of the
+  result (each device would add the 1.0), so the literal must count.
+  """
+  return [t.sharding.partial if t is not None else frozenset() for t in bound.operands]
 
 
 def _accepts(bound: Bound, t: Tensor) -> bool:
@@ -378,7 +401,7 @@ def _accepts(bound: Bound, t: Tensor) -> bool:
   if lin == "unary":
     return len(ops) == 1
   if lin == "sum":
-    return all(p == parts[0] for p in parts)
+    return all(p == parts[0] for p in _sum_parts(bound))
   if lin == "product":
     return sum(1 for p in parts if p) == 1
   if lin == "first":
@@ -386,10 +409,10 @@ def _accepts(bound: Bound, t: Tensor) -> bool:
   return False
 
 
-def _forward_partials(graph: Graph, resolved: set[int]) -> None:
+def _forward_partials(graph: Graph, resolved: set[int], reduced: list) -> None:
   found: dict[int, frozenset[str]] = {}
-  for b in graph.bounds:
-    p = _result_partial(b, graph.mesh_sizes)
+  for b, r in zip(graph.bounds, reduced):
+    p = _result_partial(b, graph.mesh_sizes, r)
     for t in b.results:
       if t is None or t.fixed:
         continue
@@ -414,8 +437,9 @@ def _mark_partials(graph: Graph) -> None:
         consumers.setdefault(id(t), []).append(b)
   resolved = {id(graph.tensor((), v)) for v in graph.top.outvars
               if graph.tensor((), v) is not None}
+  reduced = [_reduced_axes(b, graph.mesh_sizes) for b in graph.bounds]
   for _ in range(len(graph.tensors) + 1):
-    _forward_partials(graph, resolved)
+    _forward_partials(graph, resolved, reduced)
     bad = {id(t) for t in graph.tensors.values() if t.sharding.partial and
            id(t) not in resolved and
            not all(_accepts(b, t) for b in consumers.get(id(t), ()))}
@@ -454,24 +478,51 @@ def _conflicts(graph: Graph) -> list[Conflict]:
         reason = "user annotation"
       out.append(Conflict(
           b.eqn.primitive.name, source_of(b.eqn), f,
-          tuple((str(h.tensor.var), h.proj) for h in hs), best, reason))
+          tuple((_role(b, h.tensor), h.proj) for h in hs), best, reason))
   return out
+
+
+def _role(bound: Bound, t: Tensor) -> str:
+  """``operand 0 f32[8,16]``: a tensor named by its place in the constraint.
+
+  (``str`` of a jax ``Var`` is an opaque id, useless to a reader.)
+  """
+  inner = "inner " if t.scope != bound.scope else ""
+  for kind, ts in (("operand", bound.operands), ("result", bound.results)):
+    for i, o in enumerate(ts):
+      if o is t:
+        return f"{inner}{kind} {i} {_short_dtype(t.dtype)}[{','.join(map(str, t.shape))}]"
+  return f"{_short_dtype(t.dtype)}[{','.join(map(str, t.shape))}]"
 
 
 # -- the driver --------------------------------------------------------------
 
 def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
-  """Sweep forward and backward to a fixed point; returns (sweeps, conflicts)."""
+  """Sweep forward and backward to a fixed point; returns (sweeps, conflicts).
+
+  The first sweep visits every constraint; later sweeps (alternating
+  direction) only those touching a tensor that changed since their last visit.
+  """
   mesh = graph.mesh_sizes
+  touching: dict[int, list[int]] = {}
+  for i, b in enumerate(graph.bounds):
+    for t in b.operands + b.results:
+      if t is not None:
+        touching.setdefault(id(t), []).append(i)
+  dirty = set(range(len(graph.bounds)))
   sweeps = 0
-  changed = True
-  while changed:
+  while dirty:
     if sweeps >= MAX_SWEEPS:
       raise RuntimeError(f"propagation did not converge in {MAX_SWEEPS} sweeps")
-    changed = False
-    order = graph.bounds if sweeps % 2 == 0 else reversed(graph.bounds)
-    for b in order:
-      changed |= _step(b, mesh)
+    order = sorted(dirty, reverse=sweeps % 2 == 1)
+    dirty = set()
+    for i in order:
+      b = graph.bounds[i]
+      before = [(t, t.sharding) for t in b.operands + b.results if t is not None]
+      if _step(b, mesh):
+        for t, old in before:
+          if t.sharding != old:
+            dirty.update(j for j in touching[id(t)] if j != i)
     sweeps += 1
   _mark_partials(graph)
   return sweeps, _conflicts(graph)
