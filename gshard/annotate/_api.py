@@ -21,6 +21,22 @@ from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str,
 _current_mesh: contextvars.ContextVar[Mapping[str, int] | None] = (
     contextvars.ContextVar("gshard_mesh", default=None))
 
+# GSPMD baseline hook (used only by gshard.gspmd.gspmd_jit): while set to a jax
+# Mesh, the annotations become jax.lax.with_sharding_constraint on that mesh
+# instead of binding annotate_p, so XLA's own partitioner sees the same intent.
+# Validation is unchanged; P.UNCONSTRAINED dims stay unconstrained.
+_gspmd_mesh: contextvars.ContextVar = contextvars.ContextVar("gshard_gspmd_mesh",
+                                                             default=None)
+
+
+def _bind(x, annotation: Annotation, spec: P):
+  mesh = _gspmd_mesh.get()
+  if mesh is None:
+    return annotate_p.bind(x, annotation=annotation)
+  import jax
+  from jax.sharding import NamedSharding
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
 
 @contextlib.contextmanager
 def mesh_context(mesh) -> Iterator[None]:
@@ -99,14 +115,14 @@ def shard(x, spec: P):
   spec_axes = [_axes(e) for e in spec]
   _check_axes(call, x, spec_axes)
   sharding = TensorSharding(tuple(spec_axes) + ((),) * (rank - len(spec_axes)))
-  return annotate_p.bind(x, annotation=Annotation(sharding, open_dims))
+  return _bind(x, Annotation(sharding, open_dims), spec)
 
 
 def _axes(entry) -> tuple[str, ...]:
   if entry is None or entry is P.UNCONSTRAINED:
     return ()
-  if isinstance(entry, str):
-    return (entry,)
+  if isinstance(entry, str) or not isinstance(entry, (tuple, list)):
+    return (entry,)   # a non-string name is reported by _check_axes
   return tuple(entry)
 
 
@@ -123,7 +139,8 @@ def split(x, dim: int, axis: str | tuple[str, ...]):
   rank = np.ndim(x)
   call = f"split(x, dim={dim}, axis={axis!r})"
   if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
-    raise TypeError(f"{call}: dim must be an int, got {type(dim).__name__}.")
+    raise TypeError(f"split(x, dim={dim!r}, axis={axis!r}): dim must be an int, got "
+                    f"{type(dim).__name__}.")
   if not -rank <= dim < rank:
     raise ValueError(
         f"{call}: x is {_describe(x)} (rank {rank}); dim must be in "
@@ -131,15 +148,15 @@ def split(x, dim: int, axis: str | tuple[str, ...]):
   if not axis:
     raise ValueError(f"{call}: give a mesh axis name (or a tuple of names); "
                      "to replicate use gshard.replicate(x).")
-  axes = (axis,) if isinstance(axis, str) else tuple(axis)
+  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
   dim = int(dim) % rank
   _check_axes(call, x, [axes])
   dims = tuple(axes if i == dim else () for i in range(rank))
-  return annotate_p.bind(x, annotation=Annotation(TensorSharding(dims)))
+  return _bind(x, Annotation(TensorSharding(dims)),
+               P(*(d if d else None for d in dims)))
 
 
 def replicate(x):
   """Annotate ``x`` as fully replicated: every device holds the whole value."""
   x = _as_array(x)
-  return annotate_p.bind(
-      x, annotation=Annotation(TensorSharding.replicated(np.ndim(x))))
+  return _bind(x, Annotation(TensorSharding.replicated(np.ndim(x))), P())

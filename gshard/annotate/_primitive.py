@@ -59,7 +59,7 @@ def _lowering(ctx, x, *, annotation):
 
 def _batch(args, dims, *, annotation):
   (x,), (bdim,) = args, dims
-  if bdim is batching.not_mapped:
+  if bdim is None:   # not mapped (jax's batching.NotMapped is type(None))
     return annotate_p.bind(x, annotation=annotation), bdim
   return annotate_p.bind(x, annotation=annotation.insert_dim(bdim)), bdim
 

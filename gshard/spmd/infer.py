@@ -60,19 +60,20 @@ def spec_to_pin(spec: P, shape, mesh_sizes, where: str):
         f"has {len(spec)} entries, on mesh {mesh_str(mesh_sizes)}. Give at most one "
         f"entry per dimension, e.g. {P(*list(spec)[:rank])}.")
   open_dims = open_dims_of_spec(spec)
-  sharding = TensorSharding.from_spec(spec, rank) if not open_dims else \
-      TensorSharding.from_spec(P(*[None if i in open_dims else e
-                                   for i, e in enumerate(spec)]), rank)
+  entries = [None if i in open_dims else e for i, e in enumerate(spec)]
   seen = set()
-  for a in [a for d in sharding.dims for a in d]:
-    if a not in mesh_sizes:
-      raise ValueError(
-          f"{where}: spec {spec} for shape {shape} names mesh axis {a!r}, which is "
-          f"not in the mesh {mesh_str(mesh_sizes)}. Use one of {list(mesh_sizes)}.")
-    if a in seen:
-      raise ValueError(f"{where}: spec {spec} uses mesh axis {a!r} twice.")
-    seen.add(a)
-  return sharding, open_dims
+  for e in entries:
+    for a in ((e,) if isinstance(e, str) else tuple(e or ())):
+      if a not in mesh_sizes:
+        raise ValueError(
+            f"{where}: spec {spec} for shape {shape} names mesh axis {a!r}, which is "
+            f"not in the mesh {mesh_str(mesh_sizes)}. Use one of {list(mesh_sizes)}.")
+      if a in seen:
+        raise ValueError(
+            f"{where}: spec {spec} for shape {shape} uses mesh axis {a!r} twice, on "
+            f"mesh {mesh_str(mesh_sizes)}. A mesh axis can split only one dimension.")
+      seen.add(a)
+  return TensorSharding.from_spec(P(*entries), rank), open_dims
 
 
 @dataclasses.dataclass

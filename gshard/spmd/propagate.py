@@ -409,26 +409,67 @@ def _accepts(bound: Bound, t: Tensor) -> bool:
   return False
 
 
-def _forward_partials(graph: Graph, resolved: set[int], reduced: list) -> None:
+def _psum_cost(t: Tensor, axes, mesh) -> float:
+  """Bytes per device of an all-reduce of ``t``'s local block over ``axes``."""
+  n = math.prod(mesh[a] for a in axes)
+  local = t.nbytes / max(1, math.prod(mesh[a] for d in t.sharding.dims for a in d))
+  return 2 * (n - 1) / n * local
+
+
+def _forward_partials(graph: Graph, resolved: set[int], reduced: list
+                      ) -> tuple[float, dict[int, float]]:
+  """One pass in program order. Returns the total bytes of the psums it implies
+  and, per pending value, the bytes of the psums downstream that it feeds."""
   found: dict[int, frozenset[str]] = {}
+  feeds: dict[int, frozenset[int]] = {}      # pending value -> pending ancestors
+  downstream: dict[int, float] = {}
+  total = 0.0
+  mesh = graph.mesh_sizes
   for b, r in zip(graph.bounds, reduced):
-    p = _result_partial(b, graph.mesh_sizes, r)
+    p = _result_partial(b, mesh, r)
+    anc = frozenset().union(*[feeds.get(id(o), frozenset()) | {id(o)}
+                              for o in b.operands if o is not None and o.sharding.partial])
     for t in b.results:
       if t is None or t.fixed:
         continue
-      q = frozenset() if id(t) in resolved else p - t.sharding.axes
+      raw = p - t.sharding.axes
+      q = frozenset() if id(t) in resolved else raw
       prev = found.get(id(t))
       q = q if prev is None else (q & prev)
       found[id(t)] = q
       t.sharding = t.sharding.with_partial(q)
+      if q:
+        feeds[id(t)] = anc
+      elif raw:
+        cost = _psum_cost(t, raw, mesh)
+        total += cost
+        for a in anc:
+          downstream[a] = downstream.get(a, 0.0) + cost
+  return total, downstream
 
 
-def _mark_partials(graph: Graph) -> None:
+def _settle(graph: Graph, resolved: set[int], reduced: list, consumers) -> float:
+  """Resolve every value some consumer cannot take pending; returns the cost."""
+  for _ in range(len(graph.tensors) + 1):
+    total, downstream = _forward_partials(graph, resolved, reduced)
+    bad = {id(t) for t in graph.tensors.values() if t.sharding.partial and
+           id(t) not in resolved and
+           not all(_accepts(b, t) for b in consumers.get(id(t), ()))}
+    if not bad:
+      return total, downstream
+    resolved |= bad
+  raise RuntimeError("partial-sum marking did not converge")
+
+
+def _mark_partials(graph: Graph, max_trials: int = 64) -> None:
   """Mark pending partial sums, in program order.
 
   A value stays pending only while every consumer lets it through (linear
   ops); otherwise it is resolved where it is produced, once, however many
-  consumers it has. Program outputs are resolved.
+  consumers it has. Program outputs are resolved. Then, where a pending value
+  fans out into several psums downstream that together cost more than one
+  psum of the value itself (a layer norm's backward), it is resolved where it
+  is produced instead, if that lowers the total.
   """
   consumers: dict[int, list[Bound]] = {}
   for b in graph.bounds:
@@ -438,14 +479,24 @@ def _mark_partials(graph: Graph) -> None:
   resolved = {id(graph.tensor((), v)) for v in graph.top.outvars
               if graph.tensor((), v) is not None}
   reduced = [_reduced_axes(b, graph.mesh_sizes) for b in graph.bounds]
-  for _ in range(len(graph.tensors) + 1):
-    _forward_partials(graph, resolved, reduced)
-    bad = {id(t) for t in graph.tensors.values() if t.sharding.partial and
-           id(t) not in resolved and
-           not all(_accepts(b, t) for b in consumers.get(id(t), ()))}
-    if not bad:
-      return
-    resolved |= bad
+  total, downstream = _settle(graph, resolved, reduced, consumers)
+  by_id = {id(t): t for t in graph.tensors.values()}
+  order = {id(t): k for k, t in enumerate(graph.tensors.values())}   # deterministic
+  tried: set[int] = set()
+  for _ in range(max_trials):
+    gains = sorted((-(downstream[i] - _psum_cost(by_id[i], by_id[i].sharding.partial,
+                                                 graph.mesh_sizes)), order[i], i)
+                   for i in downstream if i not in tried and by_id[i].sharding.partial)
+    gains = [(g, k, i) for g, k, i in gains if g < 0]
+    if not gains:
+      break
+    _, _, i = gains[0]
+    tried.add(i)
+    trial = set(resolved) | {i}
+    t_total, t_down = _settle(graph, trial, reduced, consumers)
+    if t_total < total:
+      resolved, total, downstream = trial, t_total, t_down
+  _settle(graph, resolved, reduced, consumers)
 
 
 def _conflicts(graph: Graph) -> list[Conflict]:

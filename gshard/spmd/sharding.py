@@ -187,7 +187,13 @@ _DTYPE_SHORT = {"float32": "f32", "float64": "f64", "float16": "f16",
 def _short_dtype(dtype) -> str:
   if dtype is None:
     return ""
-  name = str(dtype) if not isinstance(dtype, np.dtype) else dtype.name
+  if isinstance(dtype, str):
+    name = dtype
+  else:
+    try:   # np.dtype instances and scalar types alike (np.float32, jnp.bfloat16)
+      name = np.dtype(dtype).name
+    except TypeError:   # jax extended dtypes (PRNG keys)
+      name = str(dtype)
   return _DTYPE_SHORT.get(name, name)
 
 

@@ -36,13 +36,18 @@ def run_jaxpr(ctx: Context, jaxpr, scope: tuple, consts: Sequence,
   for v, c in zip(jaxpr.constvars, consts):
     shape = tuple(np.shape(c))
     env[v] = Value(c, TensorSharding.replicated(len(shape)), shape, v.aval.dtype)
+  caller = ctx.enclosing[-1] if ctx.enclosing else None   # None: the program itself
   for v, a in zip(jaxpr.invars, args):
-    env[v] = ctx.reshard(a, ctx.target(scope, v), None, "argument") \
+    env[v] = ctx.reshard(a, ctx.target(scope, v), caller, "argument") \
         if a.sharding != ctx.target(scope, v) else a
   for idx, eqn in enumerate(jaxpr.eqns):
     ins = [read(v) for v in eqn.invars]
     rule = partition_rule_for(eqn)
-    outs = rule(ctx, eqn, ins, scope, idx)
+    ctx.enclosing.append(eqn)   # inner jaxprs name this equation's source line
+    try:
+      outs = rule(ctx, eqn, ins, scope, idx)
+    finally:
+      ctx.enclosing.pop()
     for j, (v, out) in enumerate(zip(eqn.outvars, outs)):
       if type(v).__name__ == "DropVar":
         continue

@@ -22,7 +22,7 @@ from jax import lax
 
 from gshard.spmd import reshard as _reshard_mod
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.propagate import Bound, _accepts, _solve, _unproject
+from gshard.spmd.propagate import Bound, _accepts, _project, _solve, _unproject
 from gshard.spmd.rules import IN, OUT, FactorRule, OpRule, sharding_rules
 from gshard.spmd.sharding import TensorSharding
 
@@ -132,6 +132,8 @@ def _plan_for(ctx: Context, eqn, ins, scope, rule: FactorRule, choice, blocked,
     while axes and sizes[f] % math.prod(ctx.mesh_sizes[a] for a in axes):
       axes.pop()
     choice[f] = tuple(axes)
+  _drop_inexpressible(choice, [d for v, d in zip(ins, rule.operands) if not v.literal]
+                      + list(rule.results), sizes, ctx.mesh_sizes)
   # A pending partial sum passes through a linear op; otherwise it is resolved.
   live = [v for v in ins if not v.literal]
   fake = Bound(rule, [_Shim(v.sharding) if not v.literal else None for v in ins], [],
@@ -155,6 +157,25 @@ def _plan_for(ctx: Context, eqn, ins, scope, rule: FactorRule, choice, blocked,
     used = {a for x in d for a in x}
     results.append(TensorSharding(d, (carried | reduced) - used))
   return LocalPlan(rule, choice, operands, results)
+
+
+def _drop_inexpressible(choice, tensors, sizes, mesh_sizes) -> None:
+  """Unsplit each factor that some operand or result cannot hold as chosen.
+
+  A compound dim holds its minor factor's split only when its major factors
+  are split fully: reshape ``f32[2,8] -> f32[16]`` (``ab->(ab)``) with ``b``
+  over 8 devices would leave the operand ``[_,x]`` but the result unsplit,
+  and the local reshape ``(2,1) -> (16,)`` would be wrong. Edits ``choice``.
+  """
+  changed = True
+  while changed:
+    changed = False
+    for dims in tensors:
+      got = _project(dims, _unproject(dims, choice, sizes, mesh_sizes), sizes, mesh_sizes)
+      for f in sorted({f for d in dims for f in d}):
+        if choice.get(f) and got.get(f, ()) != choice[f]:
+          choice[f] = ()
+          changed = True
 
 
 @dataclasses.dataclass

@@ -1,0 +1,169 @@
+"""Collective bytes sent per device, read from an optimized HLO module's text.
+
+``collectives(compiled.as_text(), num_devices)`` lists every all-reduce,
+all-gather, reduce-scatter, all-to-all and collective-permute (tuple-merged
+forms and async ``-start`` forms included; ``-done`` halves are skipped) with
+its group size and the bytes one device sends under the ring formulas of
+REFERENCES.md:
+
+  all-reduce 2(n-1)/n*S    all-gather (n-1)/n*S_out    reduce-scatter (n-1)/n*S_in
+  all-to-all (n-1)/n*S     collective-permute S
+
+Group sizes come from ``replica_groups`` in any of XLA's printed forms:
+``{{0,4},{1,5}}`` (explicit), ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)`` (iota),
+``mesh['x'=2,'y'=4] {'y'}`` (named mesh axes) and ``{}`` (all devices).
+Operand sizes are taken from the defining instruction of each operand, so the
+numbers do not depend on how XLA prints async or tuple result types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+_DTYPE_BYTES = {
+    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
+    "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+          "collective-permute")
+_OP = re.compile(r"\s(" + "|".join(_KINDS) + r")(-start)?\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class HloCollective:
+  """One collective instruction of an optimized HLO module."""
+
+  name: str
+  kind: str            # one of _KINDS ("-start" folded in)
+  group_size: int      # devices per replica group (n)
+  operand_bytes: int   # S_in: all operands together (tuple-merged ones summed)
+  bytes_sent: float    # per device, ring formula
+  op_name: str         # metadata op_name, if printed
+  operands: tuple[str, ...] = ()   # operand shapes, e.g. ("f32[8,128]", ...)
+
+
+def array_bytes(type_text: str) -> int:
+  """Bytes of every array shape in an HLO type (a tuple's elements summed)."""
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(type_text):
+    if dtype.startswith("f8") or dtype.startswith("f4"):
+      width = 1 if dtype.startswith("f8") else 0.5
+    elif dtype in _DTYPE_BYTES:
+      width = _DTYPE_BYTES[dtype]
+    else:
+      continue   # token[], opaque types
+    total += width * math.prod(int(d) for d in dims.split(",") if d)
+  return int(total)
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the bracket group opening at ``text[start]``."""
+  pairs = {"(": ")", "[": "]", "{": "}"}
+  stack = []
+  for i in range(start, len(text)):
+    c = text[i]
+    if c in pairs:
+      stack.append(pairs[c])
+    elif stack and c == stack[-1]:
+      stack.pop()
+      if not stack:
+        return i + 1
+  return len(text)
+
+
+def _result_type(line: str, m: re.Match) -> str:
+  rest = line[m.end():]
+  if rest.startswith("("):
+    return rest[:_balanced(rest, 0)]
+  return rest.split(" ", 1)[0]
+
+
+def group_size(line: str, num_devices: int) -> int:
+  """n for one collective instruction line (see the module docstring)."""
+  m = re.search(r"replica_groups=", line)
+  if m is None:
+    return num_devices
+  rest = line[m.end():]
+  if rest.startswith("{"):
+    body = rest[:_balanced(rest, 0)]
+    first = re.search(r"\{([0-9,\s]*)\}", body[1:])
+    if first is None or not first.group(1).strip():
+      return num_devices   # replica_groups={} : one group of everything
+    return len([t for t in first.group(1).split(",") if t.strip()])
+  if rest.startswith("["):   # iota form [G,S]<=[dims]T(perm): groups of S
+    dims = rest[1:rest.index("]")].split(",")
+    return int(dims[-1])
+  if rest.startswith("mesh"):   # mesh['a'=2,'b'=4] {'b'} or {'a':(1)2}
+    sizes = dict((k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)",
+                                                     rest[:rest.index("]") + 1]))
+    after = rest[rest.index("]") + 1:].lstrip()
+    chosen = after[:_balanced(after, 0)] if after.startswith("{") else ""
+    n = 1
+    for name, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", chosen):
+      n *= int(sub) if sub else sizes.get(name, 1)   # 'a':(k)m is a size-m part of a
+    return n
+  return num_devices
+
+
+def _bytes_sent(kind: str, n: int, s_in: int, line: str) -> float:
+  if n <= 1 and kind != "collective-permute":
+    return 0.0
+  if kind == "all-reduce":
+    return 2 * (n - 1) / n * s_in
+  if kind == "all-gather":
+    return (n - 1) / n * (s_in * n)      # S_out = n * S_in
+  if kind == "reduce-scatter":
+    return (n - 1) / n * s_in
+  if kind == "all-to-all":
+    return (n - 1) / n * s_in
+  # collective-permute: S if any device sends to another one
+  pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=", 1)[-1]
+                     .split("}}", 1)[0] + "}")
+  return float(s_in) if any(a != b for a, b in pairs) else 0.0
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[HloCollective]:
+  """Every collective of the module, in text order."""
+  types: dict[str, str] = {}
+  lines = hlo_text.splitlines()
+  for line in lines:
+    m = _INSTR.match(line)
+    if m:
+      types[m.group(1)] = _result_type(line, m)
+  out = []
+  for line in lines:
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    op = _OP.search(line, m.end() - 1)
+    if op is None:
+      continue
+    # the opcode must follow the result type directly
+    if op.start() > m.end() + len(types[m.group(1)]) + 1:
+      continue
+    kind = op.group(1)
+    args_text = line[op.end() - 1:_balanced(line, op.end() - 1)]
+    names = re.findall(r"%([\w.\-]+)", args_text)
+    if names:
+      s_in = sum(array_bytes(types.get(a, "")) for a in names)
+      shapes = tuple(f"{d}[{s}]" for a in names
+                     for d, s in _ARRAY.findall(types.get(a, "")))
+    else:   # operands printed without names: their types are inline
+      s_in = array_bytes(args_text)
+      shapes = tuple(f"{d}[{s}]" for d, s in _ARRAY.findall(args_text))
+    n = group_size(line, num_devices)
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    out.append(HloCollective(m.group(1), kind, n, s_in,
+                             _bytes_sent(kind, n, s_in, line),
+                             op_name.group(1) if op_name else "", shapes))
+  return out
+
+
+def bytes_sent(hlo_text: str, num_devices: int) -> float:
+  """Total bytes one device sends over all collectives of the module."""
+  return sum(c.bytes_sent for c in collectives(hlo_text, num_devices))

@@ -1,0 +1,409 @@
+"""Property tests for propagation: random programs, random annotations, random meshes.
+
+Programs are random chains of elementwise / dot / reshape / transpose / reduce /
+broadcast ops (and a nested jit) over a few inputs, with random ``split`` /
+``shard`` annotations and random ``in_specs``, on a random 1-D or 2-D
+``AbstractMesh`` of up to 8 devices (no devices needed). Propagation must
+terminate, be deterministic, refine monotonically, never override an
+annotation, and give every variable a sharding valid for its shape. The same
+holds for ``jax.value_and_grad`` of the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from gshard import TensorSharding
+from gshard.annotate import annotate_p
+from gshard.spmd import propagate as engine
+from gshard.spmd.sharding import is_refinement
+
+DIMS = (1, 2, 3, 4, 6, 8)
+MAX_RANK = 4
+
+
+# -- random meshes ------------------------------------------------------------
+
+@st.composite
+def meshes(draw):
+  if draw(st.booleans()):
+    return AbstractMesh((draw(st.sampled_from((1, 2, 3, 4, 8))),), ("x",))
+  shape = draw(st.sampled_from(((2, 2), (2, 4), (4, 2), (2, 3), (1, 4), (8, 1), (2, 1))))
+  return AbstractMesh(shape, ("x", "y"))
+
+
+@st.composite
+def specs(draw, rank: int, names: tuple[str, ...], open_ok: bool = True):
+  """A valid PartitionSpec for a value of ``rank``: each mesh axis used at most once."""
+  entries: list[list[str]] = [[] for _ in range(rank)]
+  for name in names:
+    if rank and draw(st.booleans()):
+      entries[draw(st.integers(0, rank - 1))].append(name)
+  out = []
+  for e in entries:
+    if not e:
+      out.append(P.UNCONSTRAINED if open_ok and draw(st.integers(0, 3)) == 0 else None)
+    else:
+      e = draw(st.permutations(e))
+      out.append(e[0] if len(e) == 1 else tuple(e))
+  n = draw(st.integers(0, rank)) if all(e is None for e in out) else rank
+  return P(*out[:n])
+
+
+# -- random programs ----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  kind: str
+  args: tuple            # value indices
+  params: tuple = ()
+
+
+@dataclasses.dataclass
+class Program:
+  inputs: list[tuple[int, ...]]
+  in_specs: list
+  ops: list[Op]
+  outputs: list[int]
+
+  def __call__(self, *xs):
+    vals = list(xs)
+    for op in self.ops:
+      vals.append(_apply(op, vals))
+    return tuple(vals[i] for i in self.outputs)
+
+  def loss(self, *xs):
+    return sum(jnp.sum(o) for o in self(*xs))
+
+
+UNARY = {"sin": jnp.sin, "neg": jnp.negative, "exp": jnp.exp, "tanh": jnp.tanh}
+BINARY = {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply}
+_nested = jax.jit(lambda a: jnp.sin(a) * 2.0)
+
+
+def _apply(op: Op, vals):
+  a = vals[op.args[0]]
+  k, p = op.kind, op.params
+  if k in UNARY:
+    return UNARY[k](a)
+  if k in BINARY:
+    b = vals[op.args[1]] if len(op.args) > 1 else p[0]
+    return BINARY[k](a, b)
+  if k == "dot":
+    return a @ vals[op.args[1]]
+  if k == "reshape":
+    return a.reshape(p[0])
+  if k == "transpose":
+    return a.transpose(p[0])
+  if k == "reduce_sum":
+    return a.sum(p[0])
+  if k == "reduce_max":
+    return a.max(p[0])
+  if k == "broadcast":
+    shape, dims = p
+    return lax.broadcast_in_dim(a, shape, dims)
+  if k == "jit":
+    return _nested(a)
+  if k == "split":
+    return gshard.split(a, p[0], p[1])
+  if k == "shard":
+    return gshard.shard(a, p[0])
+  raise AssertionError(k)
+
+
+def _reshapes(shape):
+  out = set()
+  for i in range(len(shape) - 1):
+    out.add(shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2:])      # merge
+    out.add(shape[:i] + (shape[i + 1], shape[i]) + shape[i + 2:])         # regroup
+  for i, n in enumerate(shape):
+    for d in range(2, n):
+      if n % d == 0:
+        out.add(shape[:i] + (d, n // d) + shape[i + 1:])                  # split
+    if n == 1:
+      out.add(shape[:i] + shape[i + 1:])                                  # drop unit
+  for i in range(len(shape) + 1):
+    out.add(shape[:i] + (1,) + shape[i:])                                 # add unit
+  out.add((math.prod(shape),))                                            # flatten
+  return sorted(s for s in out if len(s) <= MAX_RANK and s != shape)
+
+
+@st.composite
+def programs(draw, names: tuple[str, ...]):
+  rank_shapes = st.lists(st.sampled_from(DIMS), min_size=1, max_size=3).map(tuple)
+  inputs = draw(st.lists(rank_shapes, min_size=1, max_size=3))
+  shapes = list(inputs)
+  ops: list[Op] = []
+
+  def new_input(shape):
+    inputs.append(shape)
+    shapes.insert(len(inputs) - 1, shape)
+    # shift every value index at or after the new input
+    for j, op in enumerate(ops):
+      ops[j] = Op(op.kind, tuple(i + (i >= len(inputs) - 1) for i in op.args), op.params)
+    return len(inputs) - 1
+
+  for _ in range(draw(st.integers(1, 8))):
+    i = draw(st.integers(0, len(shapes) - 1))
+    shape = shapes[i]
+    rank = len(shape)
+    kind = draw(st.sampled_from(
+        ("unary", "binary", "dot", "reshape", "transpose", "reduce", "broadcast", "jit",
+         "split", "shard")))
+    if kind == "unary":
+      op, out = Op(draw(st.sampled_from(sorted(UNARY))), (i,)), shape
+    elif kind == "binary":
+      same = [j for j, s in enumerate(shapes) if s == shape]
+      name = draw(st.sampled_from(sorted(BINARY)))
+      if draw(st.booleans()):
+        op = Op(name, (i, draw(st.sampled_from(same))))
+      else:
+        op = Op(name, (i,), (draw(st.sampled_from((1.0, 0.5, 2.0))),))
+      out = shape
+    elif kind == "dot" and rank >= 1:
+      n = draw(st.sampled_from(DIMS))
+      w = new_input((shape[-1], n))
+      i += i >= w
+      op, out = Op("dot", (i, w)), shape[:-1] + (n,)
+    elif kind == "reshape":
+      out = draw(st.sampled_from(_reshapes(shape)))
+      op = Op("reshape", (i,), (out,))
+    elif kind == "transpose" and rank >= 2:
+      perm = tuple(draw(st.permutations(range(rank))))
+      op, out = Op("transpose", (i,), (perm,)), tuple(shape[p] for p in perm)
+    elif kind == "reduce" and rank >= 1:
+      axes = tuple(sorted(draw(st.sets(st.integers(0, rank - 1), min_size=1))))
+      op = Op(draw(st.sampled_from(("reduce_sum", "reduce_max"))), (i,), (axes,))
+      out = tuple(n for d, n in enumerate(shape) if d not in axes)
+    elif kind == "broadcast" and rank < MAX_RANK:
+      pos = draw(st.integers(0, rank))
+      out = shape[:pos] + (draw(st.sampled_from((2, 3, 4))),) + shape[pos:]
+      dims = tuple(d if d < pos else d + 1 for d in range(rank))
+      op = Op("broadcast", (i,), (out, dims))
+    elif kind == "jit":
+      op, out = Op("jit", (i,)), shape
+    elif kind == "split" and rank >= 1:
+      axes = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names),
+                           unique=True))
+      axis = axes[0] if len(axes) == 1 and draw(st.booleans()) else tuple(axes)
+      op = Op("split", (i,), (draw(st.integers(-rank, rank - 1)), axis))
+      out = shape
+    elif kind == "shard":
+      op, out = Op("shard", (i,), (draw(specs(rank, names)),)), shape
+    else:
+      op, out = Op("neg", (i,)), shape
+    ops.append(op)
+    shapes.append(out)
+
+  n = len(shapes)
+  outputs = sorted({n - 1} | set(draw(st.lists(st.integers(0, n - 1), max_size=2))))
+  in_specs = [draw(st.none() | specs(len(s), names)) for s in inputs]
+  return Program(inputs, in_specs, ops, outputs)
+
+
+@st.composite
+def cases(draw):
+  mesh = draw(meshes())
+  names = tuple(mesh.axis_names)
+  return mesh, draw(programs(names))
+
+
+# -- the properties -----------------------------------------------------------
+
+def _annotations(jaxpr, scope=()):
+  out = []
+  for idx, e in enumerate(jaxpr.eqns):
+    if e.primitive is annotate_p:
+      out.append((scope, e.outvars[0], e.params["annotation"]))
+    for path, sub in engine.sub_jaxprs(e.params):
+      out += _annotations(sub, scope + ((idx, path),))
+  return out
+
+
+def _snapshot(res):
+  return ([(k[0], str(k[1].aval), str(t.sharding)) for k, t in res.graph.tensors.items()],
+          [str(c) for c in res.conflicts], res.sweeps)
+
+
+@contextlib.contextmanager
+def monotone():
+  """Check every update of a sharding refines the previous one (never in a fixed dim)."""
+  refine = engine._refine
+
+  def checked(t, new_dims, mesh):
+    before = t.sharding
+    changed = refine(t, new_dims, mesh)
+    after = t.sharding
+    assert is_refinement(before, after), (before, after)
+    assert changed == (before.dims != after.dims)
+    assert not (t.fixed & {i for i in range(len(t.shape))
+                           if before.dims[i] != after.dims[i]}), "a fixed dim changed"
+    return changed
+
+  engine._refine = checked
+  try:
+    yield
+  finally:
+    engine._refine = refine
+
+
+def check(fn, mesh, prog: Program):
+  structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in prog.inputs]
+  in_specs = tuple(prog.in_specs)
+  res = gshard.infer_shardings(fn, mesh, in_specs=in_specs)(*structs)   # terminates
+  again = gshard.infer_shardings(fn, mesh, in_specs=in_specs)(*structs)
+  assert _snapshot(res) == _snapshot(again)                             # deterministic
+  sizes = dict(mesh.shape)
+
+  # every variable: a sharding valid for its shape
+  for t in res.graph.tensors.values():
+    s = t.sharding
+    assert s.rank == len(t.shape), t.describe()
+    dim_axes = [a for d in s.dims for a in d]
+    assert len(dim_axes) == len(set(dim_axes)), t.describe()
+    assert set(dim_axes) <= set(sizes) and s.partial <= set(sizes), t.describe()
+    assert not (set(dim_axes) & s.partial), t.describe()
+    for i, (n, axes) in enumerate(zip(t.shape, s.dims)):
+      if i not in t.fixed:
+        assert math.prod(sizes[a] for a in axes) <= n, t.describe()
+    if t.fixed:
+      assert not s.partial, t.describe()
+
+  # pending sums: never at a program output, and only where every consumer is linear
+  for v in res.jaxpr.jaxpr.outvars:
+    if hasattr(v, "aval") and type(v).__name__ == "Var":
+      assert not res.sharding(v).partial
+  for b in res.graph.bounds:
+    for t in b.operands:
+      if t is not None and t.sharding.partial:
+        assert engine._accepts(b, t), (b.eqn.primitive, t.describe())
+
+  # annotations are never overridden: the annotated dims are exactly as written
+  for scope, var, ann in _annotations(res.jaxpr.jaxpr):
+    got = res.sharding(var, scope)
+    for i, d in enumerate(ann.sharding.dims):
+      if i not in ann.open_dims:
+        assert got.dims[i] == d, (ann, got)
+    assert not got.partial
+  # ... and neither are in_specs
+  leaves = jax.tree.leaves(in_specs, is_leaf=lambda x: x is None or isinstance(x, P))
+  for var, spec, shape in zip(res.jaxpr.jaxpr.invars, leaves, prog.inputs):
+    if spec is None:
+      continue
+    got = res.sharding(var)
+    want = [() if e is None or e is P.UNCONSTRAINED else (e,) if isinstance(e, str)
+            else tuple(e) for e in spec] + [()] * (len(shape) - len(spec))
+    for i, e in enumerate(list(spec) + [None] * (len(shape) - len(spec))):
+      if e is not P.UNCONSTRAINED:
+        assert got.dims[i] == want[i], (spec, got)
+
+  # a true fixed point: no constraint can refine anything further
+  for bound in again.graph.bounds:
+    assert not engine._step(bound, sizes), (bound.eqn.primitive, str(bound.rule))
+  return res
+
+
+# Each example costs ~10-100 ms (trace + propagate twice): run 5x the profile's count.
+MORE = settings(max_examples=5 * settings().max_examples)
+
+
+@MORE
+@given(cases())
+def test_random_programs(case):
+  mesh, prog = case
+  with monotone():
+    check(prog, mesh, prog)
+
+
+@MORE
+@given(cases())
+def test_random_programs_value_and_grad(case):
+  mesh, prog = case
+  fn = jax.value_and_grad(prog.loss, argnums=tuple(range(len(prog.inputs))))
+  with monotone():
+    res = check(fn, mesh, prog)
+  # the backward pass carries every forward annotation too
+  n_fwd = sum(op.kind in ("split", "shard") for op in prog.ops)
+  assert len(_annotations(res.jaxpr.jaxpr)) >= n_fwd
+
+
+def test_generator_covers_every_kind():
+  """The strategy reaches every op kind (guards against a silently narrow search)."""
+  from hypothesis import Phase, find, settings
+  for kind in ("dot", "reshape", "transpose", "reduce_sum", "reduce_max", "broadcast",
+               "jit", "split", "shard", "add"):
+    find(cases(), lambda c, k=kind: any(op.kind == k for op in c[1].ops),
+         settings=settings(max_examples=500, database=None, phases=[Phase.generate]))
+
+
+@MORE
+@given(cases())
+def test_no_annotations_means_replicated(case):
+  """Without annotations or in_specs nothing is split and nothing is pending."""
+  mesh, prog = case
+  # drop the annotations; a negation in their place keeps the value numbering
+  plain = Program(prog.inputs, [None] * len(prog.inputs),
+                  [Op("neg", op.args) if op.kind in ("split", "shard") else op
+                   for op in prog.ops], prog.outputs)
+  structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in prog.inputs]
+  fn = jax.value_and_grad(plain.loss, argnums=tuple(range(len(prog.inputs))))
+  res = gshard.infer_shardings(fn, mesh)(*structs)
+  assert all(t.sharding.is_replicated for t in res.graph.tensors.values())
+  assert res.conflicts == []
+
+
+@st.composite
+def chains(draw):
+  """A chain of unary ops and transposes over f32[8|16, ...] with one annotation."""
+  mesh = draw(meshes())
+  rank = draw(st.integers(1, 3))
+  shape = tuple(draw(st.lists(st.sampled_from((8, 16)), min_size=rank, max_size=rank)))
+  spec = draw(specs(rank, tuple(mesh.axis_names), open_ok=False))
+  # (jnp elides an identity transpose: use neg there, to keep one equation per step)
+  perms = st.permutations(range(rank)).map(
+      lambda p: "neg" if list(p) == sorted(p) else tuple(p))
+  steps = draw(st.lists(st.one_of(st.sampled_from(sorted(UNARY)), perms), max_size=6))
+  where = draw(st.integers(0, len(steps)))
+  return mesh, shape, spec, steps, where
+
+
+@MORE
+@given(chains())
+def test_one_annotation_reaches_the_whole_chain(case):
+  """Forward and backward: every value of the chain carries the annotation, permuted."""
+  mesh, shape, spec, steps, where = case
+
+  def f(x):
+    for k, s in enumerate(steps):
+      if k == where:
+        x = gshard.shard(x, spec)
+      x = jnp.transpose(x, s) if isinstance(s, tuple) else UNARY[s](x)
+    if where == len(steps):
+      x = gshard.shard(x, spec)
+    return x
+
+  res = gshard.infer_shardings(f, mesh)(jax.ShapeDtypeStruct(shape, jnp.float32))
+  annotated = TensorSharding.from_spec(spec, len(shape))
+  # the sharding of the value before step k, from the annotation's point of view
+  perms = [s if isinstance(s, tuple) else tuple(range(len(shape))) for s in steps]
+  want = [None] * (len(steps) + 1)
+  want[where] = annotated
+  for k in range(where, len(steps)):
+    want[k + 1] = want[k].transpose(perms[k])
+  for k in range(where - 1, -1, -1):
+    inverse = tuple(sorted(range(len(shape)), key=lambda i: perms[k][i]))
+    want[k] = want[k + 1].transpose(inverse)
+  values = [res.jaxpr.jaxpr.invars[0]] + [
+      e.outvars[0] for e in res.jaxpr.jaxpr.eqns if e.primitive is not annotate_p]
+  assert [str(res.sharding(v)) for v in values] == [str(w) for w in want]
