@@ -162,8 +162,14 @@ class Graph:
         continue
       in_avals = [v.aval for v in eqn.invars]
       out_avals = [v.aval for v in eqn.outvars]
-      op_rule = as_op_rule(rule_fn(in_avals, out_avals, **eqn.params),
-                           len(in_avals), len(out_avals))
+      try:
+        op_rule = as_op_rule(rule_fn(in_avals, out_avals, **eqn.params),
+                             len(in_avals), len(out_avals))
+      except NotImplementedError:   # a case the rule does not cover: no constraint
+        self.unsupported.append((eqn.primitive.name, src))
+        for path, j in subs.items():
+          self._walk(j, scope + ((idx, path),), src)
+        continue
 
       def resolve(ref: Ref):
         kind, path, i = ref

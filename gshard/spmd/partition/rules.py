@@ -263,8 +263,11 @@ def _bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> list[Va
 
 
 def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
-  del idx
   combine = _COMBINE.get(eqn.primitive.name)
+  try:
+    _factor_rule(eqn)
+  except NotImplementedError:   # a case the sharding rule does not cover
+    return safe_rule(ctx, eqn, ins, scope, idx)
   plan = plan_local(ctx, eqn, ins, scope, blocked=_extra_blocked(eqn),
                     allow_other_reduction=combine is not None)
   outs = _bind_local(ctx, eqn, plan, ins)

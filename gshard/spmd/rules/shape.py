@@ -57,12 +57,14 @@ def reshape_rule(in_avals, out_avals, *, new_sizes, dimensions=None, **params) -
   """Compound factors: ``f32[6,4] -> f32[2,3,4]`` is ``(ab)c->abc``.
 
   Dims are matched by a gcd walk; where sizes cannot be aligned (``[6,4] ->
-  [4,6]`` after the common factor 2) the rest gets blocked factors.
+  [4,6]`` after the common factor 2) the rest gets blocked factors. With
+  ``dimensions`` (reshape of the operand transposed by it) the operand's dims
+  take the factors of the transposed dims they become.
   """
   del params, new_sizes
-  if dimensions is not None:
-    raise NotImplementedError("reshape with dimensions")
   (op_shape, *dyn), (out_shape,) = shapes(in_avals), shapes(out_avals)
+  if dimensions is not None:
+    op_shape = tuple(op_shape[d] for d in dimensions)
   new = _Names()
   op: list[list[str]] = [[] for _ in op_shape]
   out: list[list[str]] = [[] for _ in out_shape]
@@ -111,6 +113,11 @@ def reshape_rule(in_avals, out_avals, *, new_sizes, dimensions=None, **params) -
         own(dims, idx[k], rem, True)
         for i in idx[k + 1:]:
           own(dims, i, shape[i], True)
+  if dimensions is not None:
+    back = [None] * len(op)
+    for i, d in enumerate(dimensions):
+      back[d] = op[i]
+    op = back
   return _build([op] + [[]] * len(dyn), [out], sizes, blocked=blocked, linear="unary")
 
 
