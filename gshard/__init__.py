@@ -7,17 +7,19 @@ Public API::
   gshard.infer_shardings                           propagation over a whole program
   gshard.partition                                 the per-device program, run or lowered
   gshard.TensorSharding                            the sharding value
+  gshard.coverage                                  which primitives take the safe path
   gshard.gspmd_jit                                 the same annotations, through XLA GSPMD
 """
 
 from gshard._mesh import make_mesh
 from gshard.annotate import replicate, shard, split
+from gshard.coverage import Coverage, coverage
 from gshard.gspmd import gspmd_jit
 from gshard.spmd.infer import ShardingResult, infer_shardings
 from gshard.spmd.partition import Collective, PartitionWarning, Partitioned, partition
 from gshard.spmd.sharding import TensorSharding
 
-__all__ = ["Collective", "PartitionWarning", "Partitioned", "ShardingResult",
-           "TensorSharding", "gspmd_jit", "infer_shardings", "make_mesh", "partition",
-           "replicate", "shard", "split"]
+__all__ = ["Collective", "Coverage", "PartitionWarning", "Partitioned", "ShardingResult",
+           "TensorSharding", "coverage", "gspmd_jit", "infer_shardings", "make_mesh",
+           "partition", "replicate", "shard", "split"]
 __version__ = "0.1.0"

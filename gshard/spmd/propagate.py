@@ -30,7 +30,8 @@ from jax.extend.core import Literal
 
 from gshard.spmd.rules import as_op_rule, sharding_rules
 from gshard.spmd.rules._core import Constraint, FactorRule, Ref
-from gshard.spmd.sharding import Axes, TensorSharding, _short_dtype, mesh_str
+from gshard.spmd.sharding import (Axes, TensorSharding, _short_dtype, is_refinement,
+                                  mesh_str)
 
 Scope = tuple          # path of (eqn index, param path) from the top jaxpr
 MAX_SWEEPS = 200
@@ -277,11 +278,28 @@ def _holders(bound: Bound, mesh) -> tuple[dict[str, list[_Holder]], list]:
   return holders, pairs
 
 
+def _local_nbytes(t: Tensor, mesh) -> int:
+  """Bytes one device holds of ``t``: what resharding it roughly sends."""
+  return t.nbytes // max(1, math.prod(mesh[a] for d in t.sharding.dims for a in d))
+
+
+def _reshard_bytes(h: _Holder, axes: Axes, mesh) -> int:
+  """Roughly what one device sends to give ``h``'s factor the split ``axes``.
+
+  Refining a free tensor is a local slice (0). A pinned tensor that must
+  change moves its block (an all-to-all: its local bytes). Axes taken away
+  are gathered: the local bytes times their size.
+  """
+  if axes[:len(h.proj)] == h.proj:
+    return _local_nbytes(h.tensor, mesh) if h.fixed and h.proj != axes else 0
+  removed = math.prod(mesh[a] for a in h.proj if a not in axes)
+  return _local_nbytes(h.tensor, mesh) * max(1, removed)
+
+
 def _candidate_key(axes: Axes, hs: list[_Holder], size: int, mesh) -> tuple:
   fixed_exact = sum(1 for h in hs if h.fixed and h.proj == axes)
   valid = fixed_exact > 0 or math.prod(mesh[a] for a in axes) <= size
-  cost = sum(h.tensor.nbytes for h in hs
-             if not (axes[:len(h.proj)] == h.proj and (not h.fixed or h.proj == axes)))
+  cost = sum(_reshard_bytes(h, axes, mesh) for h in hs)
   first = min((h.order for h in hs if h.proj == axes), default=len(hs))
   return (not valid, -fixed_exact, cost, -len(axes), first)
 
@@ -308,18 +326,46 @@ def _solve(bound: Bound, mesh) -> tuple[dict[str, Axes], dict, list]:
     choice[f] = c
     hs = holders[f]
     strength[f] = (-sum(1 for h in hs if h.fixed and h.proj == c),
-                   -sum(h.tensor.nbytes for h in hs if h.proj == c and c),
+                   -sum(_local_nbytes(h.tensor, mesh) for h in hs if h.proj == c and c),
                    rule.factors.index(f))
-  used: set[str] = set()
+  owner: dict[str, str] = {}          # mesh axis -> the factor holding it
+  done: dict[str, Axes] = {}
   for f in sorted(choice, key=lambda f: strength[f]):
-    keep = []
+    keep: list[str] = []
     for a in choice[f]:
-      if a in used:
-        break
+      g = owner.get(a)
+      if g is not None:
+        # Two factors want one axis: keep the assignment that sends less.
+        stay = {**done, f: tuple(keep)}
+        cut = done[g][:done[g].index(a)]
+        take = {**done, g: cut, f: tuple(keep) + (a,)}
+        if _assignment_bytes(take, pairs, rule, mesh) < _assignment_bytes(stay, pairs, rule,
+                                                                          mesh):
+          for b in done[g][len(cut):]:
+            owner.pop(b, None)
+          done[g] = cut
+        else:
+          break
       keep.append(a)
-    choice[f] = tuple(keep)
-    used.update(keep)
-  return choice, holders, pairs
+      owner[a] = f
+    done[f] = tuple(keep)
+  return done, holders, pairs
+
+
+def _assignment_bytes(choice, pairs, rule: FactorRule, mesh) -> float:
+  """Bytes per device to bring every tensor to ``choice`` (refinements free)."""
+  from gshard.spmd import reshard
+  total = 0.0
+  for t, dims in pairs:
+    new = TensorSharding(tuple(_unproject(dims, choice, rule.size_of, mesh)))
+    cur = t.sharding.without_partial()
+    if new == cur or (not t.fixed and is_refinement(cur, new)):
+      continue
+    try:
+      total += reshard.plan_reshard(cur, new, t.shape, t.dtype, mesh).bytes_per_device
+    except (ValueError, TypeError):
+      total += t.nbytes
+  return total
 
 
 def _refine(t: Tensor, new_dims: Sequence[Axes], mesh) -> bool:
@@ -418,7 +464,7 @@ def _accepts(bound: Bound, t: Tensor) -> bool:
 def _psum_cost(t: Tensor, axes, mesh) -> float:
   """Bytes per device of an all-reduce of ``t``'s local block over ``axes``."""
   n = math.prod(mesh[a] for a in axes)
-  local = t.nbytes / max(1, math.prod(mesh[a] for d in t.sharding.dims for a in d))
+  local = _local_nbytes(t, mesh)
   return 2 * (n - 1) / n * local
 
 

@@ -33,12 +33,40 @@ class _Entry:
   recorder: Recorder
   timings: dict[str, float]
   flat_avals: list[jax.ShapeDtypeStruct]
+  in_place: list[TensorSharding]     # even layouts the arguments are placed with
 
 
 def _signature(leaves) -> tuple:
-  return tuple((tuple(np.shape(x)), str(jax.dtypes.canonicalize_dtype(
-      getattr(x, "dtype", np.asarray(x).dtype))), bool(getattr(x, "weak_type", False)))
-      for x in leaves)
+  return tuple((tuple(np.shape(x)), str(_dtype_of(x)),
+                bool(getattr(x, "weak_type", False))) for x in leaves)
+
+
+def _dtype_of(x):
+  """The dtype jax will see for ``x``, without copying it (key dtypes kept)."""
+  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return dtype
+  return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _padded(shard_fn, in_sh, in_shapes, out_sh, out_shapes, mesh_sizes):
+  """Wrap ``shard_fn`` for uneven layouts, which jax cannot place.
+
+  Arguments arrive evenly placed; they are padded up to a multiple of their
+  shards (zeros) before the per-device program, and outputs are sliced back
+  to their logical shapes after it.
+  """
+  def fn(*xs):
+    padded = []
+    for x, s, shape in zip(xs, in_sh, in_shapes):
+      full = s.padded_shape(shape, mesh_sizes)
+      if full != tuple(shape):
+        x = jax.numpy.pad(x, [(0, f - n) for f, n in zip(full, shape)])
+      padded.append(x)
+    outs = shard_fn(*padded)
+    return tuple(o if tuple(o.shape) == shape else o[tuple(slice(0, n) for n in shape)]
+                 for o, shape in zip(outs, out_shapes))
+  return fn
 
 
 class Partitioned:
@@ -78,7 +106,7 @@ class Partitioned:
     timings = {}
     t0 = time.perf_counter()
     leaves, paths, specs = flatten_specs(self.in_specs, args)
-    avals = [jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype))
+    avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x))
              for x in leaves]
     with mesh_context(self.mesh_sizes):
       closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
@@ -104,8 +132,7 @@ class Partitioned:
     result = ShardingResult(closed, self.mesh_sizes, graph, conflicts,
                             graph.unsupported, sweeps)
     timings["propagate"] = time.perf_counter() - t1
-    in_sh = [evenize(result.sharding(v).without_partial(), np.shape(x), self.mesh_sizes)
-             for v, x in zip(jaxpr.invars, leaves)]
+    in_sh = [result.sharding(v).without_partial() for v in jaxpr.invars]
     out_sh = []
     for var, leaf, spec in zip(jaxpr.outvars, out_leaves, out_specs_flat):
       if spec is not None:
@@ -114,7 +141,7 @@ class Partitioned:
         s = result.sharding(var).without_partial()
       else:
         s = TensorSharding.replicated(len(leaf.shape))
-      out_sh.append(evenize(s, leaf.shape, self.mesh_sizes))
+      out_sh.append(s)
     recorder = Recorder()
     ctx = Context(graph, self.mesh_sizes, recorder, self.strict)
 
@@ -137,11 +164,18 @@ class Partitioned:
                              in_specs=tuple(s.to_spec() for s in in_sh),
                              out_specs=tuple(s.to_spec() for s in out_sh),
                              check_vma=False)
+    in_place = [evenize(s, a.shape, self.mesh_sizes) for s, a in zip(in_sh, avals)]
+    out_shapes = [tuple(o.shape) for o in out_leaves]
+    fn = shard_fn
+    if in_place != in_sh or any(not s.is_even(n, self.mesh_sizes)
+                                for s, n in zip(out_sh, out_shapes)):
+      fn = _padded(shard_fn, in_sh, [tuple(a.shape) for a in avals], out_sh, out_shapes,
+                   self.mesh_sizes)
     donate = self._flat_donate(args)
-    jitted = jax.jit(shard_fn, donate_argnums=donate)
+    jitted = jax.jit(fn, donate_argnums=donate)
     timings["partition_setup"] = time.perf_counter() - t1 - timings["propagate"]
     return _Entry(result, in_sh, out_sh, out_tree, jitted, shard_fn, recorder, timings,
-                  avals)
+                  avals, in_place)
 
   def _flat_out_specs(self, out_shape) -> list:
     n = len(jax.tree_util.tree_leaves(out_shape))
@@ -168,7 +202,7 @@ class Partitioned:
     entry = self._entry(args)
     leaves = jax.tree_util.tree_leaves(tuple(args))
     placed = [jax.device_put(x, NamedSharding(self.mesh, s.to_spec()))
-              for x, s in zip(leaves, entry.in_shardings)]
+              for x, s in zip(leaves, entry.in_place)]
     outs = entry.jitted(*placed)
     return jax.tree_util.tree_unflatten(entry.out_tree, list(outs))
 
@@ -182,7 +216,7 @@ class Partitioned:
     entry = self._entry(args)
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype,
                                     sharding=NamedSharding(self.mesh, s.to_spec()))
-               for a, s in zip(entry.flat_avals, entry.in_shardings)]
+               for a, s in zip(entry.flat_avals, entry.in_place)]
     t0 = time.perf_counter()
     traced = entry.jitted.trace(*structs)
     lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()

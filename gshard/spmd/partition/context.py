@@ -84,8 +84,9 @@ class Recorder:
 def evenize(s: TensorSharding, shape, mesh_sizes) -> TensorSharding:
   """Drop trailing axes of any dim they would split unevenly.
 
-  ``[model]`` on a dim of 30 over model=4 becomes unsplit: uneven splits take
-  the replicated path in this version.
+  ``[model]`` on a dim of 30 over model=4 becomes unsplit. jax places arrays
+  only with even shardings: this is the layout of an uneven program input or
+  output outside the partitioned program (inside, it is padded).
   """
   dims = []
   for n, axes in zip(shape, s.dims):
@@ -127,7 +128,7 @@ class Context:
     shape = tuple(getattr(var.aval, "shape", ()))
     if t is None:
       return TensorSharding.replicated(len(shape))
-    return evenize(t.sharding, shape, self.mesh_sizes)
+    return t.sharding
 
   # -- communication --------------------------------------------------------
   def reshard(self, v: Value, dst: TensorSharding, eqn, role: str) -> Value:

@@ -124,12 +124,15 @@ def _plan_for(ctx: Context, eqn, ins, scope, rule: FactorRule, choice, blocked,
               allow_other_reduction) -> LocalPlan:
   choice = dict(choice)
   sizes = rule.size_of
+  compound = {f for dims in rule.operands + rule.results for d in dims if len(d) > 1
+              for f in d}
   for f in rule.factors:
     axes = list(choice.get(f, ()))
     if f in rule.blocked or f in blocked or (
         f in rule.other_reduction and not allow_other_reduction):
       axes = []
-    while axes and sizes[f] % math.prod(ctx.mesh_sizes[a] for a in axes):
+    # An uneven split is padded; a factor inside a compound dim must be even.
+    while axes and f in compound and sizes[f] % math.prod(ctx.mesh_sizes[a] for a in axes):
       axes.pop()
     choice[f] = tuple(axes)
   _drop_inexpressible(choice, [d for v, d in zip(ins, rule.operands) if not v.literal]
@@ -235,6 +238,61 @@ _LOCAL_PARAMS = {
 }
 
 
+_MAX_LIKE = {"reduce_max", "argmax"}
+_MIN_LIKE = {"reduce_min", "argmin"}
+
+
+def reduction_identity(name: str, dtype):
+  """The value padding must hold so that reducing it changes nothing."""
+  dtype = np.dtype(dtype)
+  if name in _MAX_LIKE or name in _MIN_LIKE:
+    low = name in _MAX_LIKE
+    if dtype == np.bool_:
+      return not low
+    if jnp.issubdtype(dtype, jnp.inexact):
+      return -np.inf if low else np.inf
+    info = jnp.iinfo(dtype)
+    return info.min if low else info.max
+  if name == "reduce_and":
+    return True
+  if name == "reduce_prod":
+    return 1
+  return 0
+
+
+def mask_padding(ctx: Context, eqn, plan: LocalPlan, xs: list) -> list:
+  """Fill the padding of unevenly split reduced dims with the reduction's identity.
+
+  A dim of 30 split 4 ways holds 8 rows per device, the last 2 of the last
+  device being padding; before a sum (or a contraction) over that dim they
+  must be 0, before a max -inf.
+  """
+  rule, sizes = plan.rule, plan.rule.size_of
+  uneven = {}
+  for f in rule.reduction | rule.other_reduction:
+    axes = plan.choice.get(f, ())
+    if axes and sizes[f] % math.prod(ctx.mesh_sizes[a] for a in axes):
+      uneven[f] = axes
+  if not uneven:
+    return xs
+  out = []
+  for x, dims, s in zip(xs, rule.operands, plan.operands):
+    mask = None
+    if s is not None:
+      for d, factors in enumerate(dims):
+        if len(factors) == 1 and factors[0] in uneven:
+          n = sizes[factors[0]]
+          local = np.shape(x)[d]
+          idx = ctx.linear_index(uneven[factors[0]]) * local + lax.iota(jnp.int32, local)
+          m = lax.broadcast_in_dim(idx < n, np.shape(x), (d,))
+          mask = m if mask is None else (mask & m)
+    if mask is not None:
+      fill = reduction_identity(eqn.primitive.name, x.dtype)
+      x = jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+    out.append(x)
+  return out
+
+
 def _bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> list[Value]:
   xs = []
   for j, (v, s) in enumerate(zip(ins, plan.operands)):
@@ -242,6 +300,7 @@ def _bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> list[Va
       xs.append(v.x)
     else:
       xs.append(ctx.reshard(v, s, eqn, f"operand {j}").x)
+  xs = mask_padding(ctx, eqn, plan, xs)
   out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
   out_local = [s.local_shape(sh, ctx.mesh_sizes) for s, sh in zip(plan.results, out_shapes)]
   in_local = [tuple(np.shape(x)) for x in xs]
@@ -329,7 +388,8 @@ def arg_reduce_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     return [out]
   local_n = x_val.sharding.local_shape(x_val.shape, ctx.mesh_sizes)[axis]
   is_max = eqn.primitive.name == "argmax"
-  best = (jnp.max if is_max else jnp.min)(x_val.x, axis=axis)
+  (masked,) = mask_padding(ctx, eqn, plan, [x_val.x])
+  best = (jnp.max if is_max else jnp.min)(masked, axis=axis)
   glob = out.x + (ctx.linear_index(axes) * local_n).astype(out.x.dtype)
   top = (lax.pmax if is_max else lax.pmin)(best, axes)
   big = jnp.iinfo(out.x.dtype).max

@@ -1,0 +1,184 @@
+"""The MoE layer and an MoE Transformer under gshard.partition.
+
+Partitioned equals unpartitioned (forward, gradients, a train step) on a 1-D
+expert mesh and on 2-D expert x model meshes, with random second-expert
+routing from a fixed key passed as an argument. Structure: the train step of
+one layer has exactly four all-to-alls (dispatch and combine, forward and
+backward), each of the analytic (n-1)/n x the local dispatched tensor
+[E, G/n, C, M]; no all-gather at all (tokens, dispatch masks, expert weights),
+in gshard's records and in XLA's optimized HLO.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from examples import moe_transformer as MT
+from gshard.moe import expert_capacity, moe_apply, moe_init, moe_specs
+from helpers_partition import assert_trees_close, hlo_collectives, mesh
+
+M_, H_ = 16, 32          # d_model, expert hidden
+
+
+def _layer_step(model_axis=None, num_selected=2, capacity_factor=2.0):
+  """value_and_grad of a loss of one MoE layer, w.r.t. params and tokens."""
+  def loss(params, x, key):
+    y, aux, metrics = moe_apply(params, x, model_axis=model_axis, key=key,
+                                num_selected=num_selected,
+                                capacity_factor=capacity_factor)
+    return jnp.sum((x + y) ** 2) + 0.1 * aux, metrics
+  return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+
+def _inputs(groups, group_size, experts, seed=0):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  params = moe_init(k1, M_, H_, experts)
+  x = jax.random.normal(k2, (groups, group_size, M_))
+  return params, x, jax.random.PRNGKey(seed + 1)
+
+
+MESHES = [((8,), ("expert",), None), ((4, 2), ("expert", "model"), "model"),
+          ((2, 4), ("expert", "model"), "model")]
+
+
+@pytest.mark.parametrize("shape,names,model_axis", MESHES)
+@pytest.mark.parametrize("num_selected", [2, 1])
+def test_layer_partitioned_equals_unpartitioned(shape, names, model_axis, num_selected):
+  m = mesh(shape, names)
+  step = _layer_step(model_axis, num_selected)
+  params, x, key = _inputs(groups=8, group_size=16, experts=8)
+  specs = (moe_specs("expert", model_axis), P("expert"), P())
+  got = gshard.partition(step, m, in_specs=specs)(params, x, key)
+  want = jax.jit(step)(params, x, key)
+  assert_trees_close(got, want, rtol=2e-5, atol=2e-5)
+  (_, metrics), _ = want
+  assert float(metrics.tokens_per_expert.sum()) > 0
+
+
+def _analytic_all_to_all_bytes(experts, groups, capacity, n, itemsize=4):
+  """(n-1)/n x the local dispatched tensor [E, G/n, C, M] (REFERENCES.md)."""
+  return (n - 1) * experts * (groups // n) * capacity * M_ * itemsize // n
+
+
+@pytest.mark.parametrize("groups,experts", [(8, 8), (16, 8), (8, 16)])
+def test_one_layer_train_step_has_four_all_to_alls_of_analytic_size(groups, experts):
+  m = mesh((8,), ("expert",))
+  params, x, key = _inputs(groups, group_size=16, experts=experts)
+  step = gshard.partition(_layer_step(), m,
+                          in_specs=(moe_specs(), P("expert"), P()))
+  lowered = step.lower(params, x, key)
+  cols = lowered.collectives()
+  a2a = [c for c in cols if c.kind == "all_to_all"]
+  capacity = expert_capacity(16, experts, capacity_factor=2.0)
+  want = _analytic_all_to_all_bytes(experts, groups, capacity, n=8)
+  assert [c.bytes for c in a2a] == [want] * 4, lowered.explain()
+  # dispatch and combine: the [E, G, C, M] tensor moves between G split and E split
+  g_split, e_split = ((), ("expert",), (), ()), (("expert",), (), (), ())
+  assert sorted((c.src.dims, c.dst.dims) for c in a2a) == sorted(
+      [(g_split, e_split)] * 2 + [(e_split, g_split)] * 2)
+  assert all(c.shape == (experts, groups, capacity, M_) for c in a2a)
+  assert not [c for c in cols if c.kind == "all_gather"], lowered.explain()
+  assert not lowered.fallbacks
+  # everything else is small: the gating and aux-loss reductions and the
+  # data-parallel sum of the replicated gating weights' gradient
+  others = [c for c in cols if c.kind != "all_to_all"]
+  assert {c.kind for c in others} <= {"psum"}
+  assert sum(c.bytes for c in others) < sum(c.bytes for c in a2a)
+  hlo = hlo_collectives(lowered.compile().as_text(), m)
+  assert not [c for c in hlo if c.kind in ("all-gather", "collective-permute")], hlo
+  hlo_a2a = [c for c in hlo if c.kind == "all-to-all"]
+  assert hlo_a2a and all(c.axes == ("expert",) for c in hlo_a2a)
+  # XLA may split or fuse them; the volume is the same
+  local = experts * (groups // 8) * capacity * M_ * 4
+  assert sum(c.nbytes for c in hlo_a2a) == 4 * local
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4)])
+def test_two_d_mesh_all_to_all_over_expert_psum_over_model(shape):
+  m = mesh(shape, ("expert", "model"))
+  n, n_model = shape
+  params, x, key = _inputs(groups=8, group_size=16, experts=8)
+  step = gshard.partition(_layer_step("model"), m,
+                          in_specs=(moe_specs("expert", "model"), P("expert"), P()))
+  lowered = step.lower(params, x, key)
+  cols = lowered.collectives()
+  capacity = expert_capacity(16, 8, capacity_factor=2.0)
+  a2a = [c for c in cols if c.kind == "all_to_all"]
+  assert [(c.axes, c.bytes) for c in a2a] == [
+      (("expert",), _analytic_all_to_all_bytes(8, 8, capacity, n))] * 4
+  assert not [c for c in cols if c.kind == "all_gather"], lowered.explain()
+  # H split over model: the second expert matmul (forward) and the input
+  # gradient of the first (backward) are partial sums over model, one
+  # all-reduce each of the local [E/n, G, C, M] block
+  on_model = [c for c in cols if "model" in c.axes]
+  block = (8 // n) * 8 * capacity * M_ * 4
+  assert [(c.kind, c.bytes) for c in on_model] == [
+      ("psum", 2 * (n_model - 1) * block // n_model)] * 2, lowered.explain()
+
+
+# -- the MoE Transformer of examples/moe_transformer.py -----------------------------
+
+SMALL = dict(vocab=64, d_model=32, n_heads=4, n_layers=2, d_ff=64, d_expert=32)
+
+
+def _transformer(shape, names):
+  model_axis = "model" if len(shape) == 2 else None
+  params = MT.init(jax.random.PRNGKey(0), num_experts=shape[0], **SMALL)
+  # SGD: Adam's first step is lr * g/|g|, which magnifies float noise in
+  # gradients near zero (reductions run in another order on 8 devices)
+  optimizer = optax.sgd(0.1)
+  step = MT.make_step(optimizer, model_axis=model_axis)
+  specs = (MT.specs(params, "expert", model_axis), None, P("expert"), P("expert"), P())
+  tokens, targets = MT.synthetic_batch(jax.random.PRNGKey(1), 8, 8, SMALL["vocab"])
+  args = (params, optimizer.init(params), tokens, targets, jax.random.PRNGKey(2))
+  return step, specs, args
+
+
+@pytest.mark.parametrize("shape,names", [((8,), ("expert",)),
+                                         ((4, 2), ("expert", "model")),
+                                         ((2, 4), ("expert", "model"))])
+def test_moe_transformer_train_step_partitioned_equals_unpartitioned(shape, names):
+  step, specs, args = _transformer(shape, names)
+  part = gshard.partition(step, mesh(shape, names), in_specs=specs)
+  ref = jax.jit(step)
+  got, want = args, args
+  for i in range(2):        # two steps, a new routing key each
+    key = jax.random.PRNGKey(10 + i)
+    got = part(*got[:2], *args[2:4], key)
+    want = ref(*want[:2], *args[2:4], key)
+    assert_trees_close(got, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
+  lowered = part.lower(*args)
+  cols = lowered.collectives()
+  a2a = [c for c in cols if c.kind == "all_to_all"]
+  assert len(a2a) == 4, lowered.explain()     # layer 1 is the MoE
+  assert all(c.axes == ("expert",) for c in a2a)
+  assert not lowered.fallbacks
+  gathered = [c for c in cols if c.kind == "all_gather"]
+  assert not gathered, lowered.explain()
+
+
+def test_moe_apply_errors():
+  params = moe_init(jax.random.PRNGKey(0), 8, 16, 4)
+  with pytest.raises(ValueError, match=r"x must be \[G, S, M\].*got shape \(4, 8\)"):
+    moe_apply(params, jnp.zeros((4, 8)), second_policy="all")
+  with pytest.raises(ValueError, match="num_selected must be 1 or 2, got 3"):
+    moe_apply(params, jnp.zeros((2, 4, 8)), num_selected=3)
+  y, aux, _ = moe_apply(params, jnp.ones((2, 4, 8)), second_policy="all")
+  assert y.shape == (2, 4, 8) and aux.shape == ()
+
+
+def test_moe_apply_bf16_activations():
+  params = jax.tree.map(lambda w: w.astype(jnp.bfloat16),
+                        moe_init(jax.random.PRNGKey(0), 8, 16, 4))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 8)).astype(jnp.bfloat16)
+  y, aux, _ = moe_apply(params, x, second_policy="all")
+  assert y.dtype == jnp.bfloat16 and aux.dtype == jnp.float32
+  f32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+  y32, _, _ = moe_apply(f32, x.astype(jnp.float32), second_policy="all")
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y32), atol=0.1)
