@@ -2,7 +2,7 @@
 #   make venv   create .venv (if missing) and install gshard[test] with exact pins
 #   make test   run the test suite on 8 emulated CPU devices
 #   make demo   run examples/demo.py
-#   make bench  run benchmarks/run.py
+#   make bench  run the benchmarks and write docs/benchmarks.md
 #   make clean  remove caches and build artifacts (keeps .venv; see distclean)
 
 PYTHON ?= python3.11
@@ -32,6 +32,8 @@ demo: venv
 	$(PY) examples/demo.py
 
 bench: venv
+	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/moe.py --devices 2,4,8,16,32
 	$(PY) benchmarks/run.py
 
 clean:

@@ -413,6 +413,13 @@ def write_doc(path: str, rows, runs: int, load: tuple[float, float]) -> None:
       out += collective_listing(r) or ["    (none)"]
       out.append("```")
       out.append("")
+  for name, title in (("benchmarks-moe.md", "MoE weak scaling (benchmarks/moe.py)"),
+                      ("benchmarks-scaling.md", "gshard's own time against devices and "
+                       "depth (benchmarks/scaling.py)")):
+    frag = os.path.join(os.path.dirname(path), name)
+    if os.path.exists(frag):
+      with open(frag) as f:
+        out += [f"## {title}", "", f.read().strip(), ""]
   out += ["## Analysis", "", NOTES.strip(), ""]
   with open(path, "w") as f:
     f.write("\n".join(out))

@@ -66,14 +66,26 @@ def main(quick: bool = False) -> list[dict]:
   for layers in ((2, 8) if quick else (2, 8, 16, 32, 64)):
     for scan in (False, True):
       rows.append(best_of(1 if layers > 16 else 2, 2048, layers, scan))
-  header = (f"{'devices':>8} {'mesh':>8} {'layers':>6} {'scan':>5} {'trace s':>8} "
-            f"{'propagate s':>11} {'part+lower s':>12} {'total s':>8} {'HLO KiB':>8}")
-  print(header)
+  lines = ["| devices | mesh | layers | scan | trace s | propagate s | partition + lower s "
+           "| total s | StableHLO KiB |", "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
   for r in rows:
-    print(f"{r['devices']:>8} {r['mesh']:>8} {r['layers']:>6} {str(r['scan']):>5} "
-          f"{r['trace']:>8.2f} {r['propagate']:>11.2f} {r['partition+lower']:>12.2f} "
-          f"{r['total']:>8.2f} {r['hlo_kb']:>8.0f}")
+    lines.append(f"| {r['devices']} | {r['mesh']} | {r['layers']} | "
+                 f"{'yes' if r['scan'] else 'no'} | {r['trace']:.2f} | "
+                 f"{r['propagate']:.2f} | {r['partition+lower']:.2f} | {r['total']:.2f} | "
+                 f"{r['hlo_kb']:.0f} |")
+  print("\n".join(lines))
+  if not quick:
+    write_fragment("benchmarks-scaling.md", lines)
   return rows
+
+
+def write_fragment(name: str, lines: list[str]) -> None:
+  """A generated table that ``benchmarks/run.py`` includes in docs/benchmarks.md."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "docs", name)
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":
