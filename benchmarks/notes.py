@@ -16,7 +16,7 @@ tuple all-reduce over `data` of the gradient shards of w1, w2 and the loss. No
 backward activation all-reduce is needed, because x is data and its gradient is not
 computed.
 
-**Transformer, gshard vs GSPMD: gshard sends 27% fewer bytes (16.81 vs 23.03 MiB).**
+**Transformer, gshard vs GSPMD: gshard sends 27% fewer bytes (16.77 vs 23.03 MiB).**
 GSPMD's extra 6.26 MiB:
 
 1. +6.00 MiB, the input gradient of attention. x feeds the three column-parallel
@@ -33,44 +33,24 @@ GSPMD's extra 6.26 MiB:
    logit (`take_along_axis`, [B/dp, T, 1]) over `model`, on top of the max, the sum
    of exp and the backward sum: 4 small all-reduces against 3.
 
-**Transformer, gshard vs the analytic minimum: +33.75 KiB (+0.20%), so the "equal"
-bar is missed.** All 10 large all-reduces are at the minimum. The excess is in two
-small places, and both have the same cause:
+**Transformer, gshard vs the analytic minimum: +3 B.** All 10 large all-reduces
+(4 per layer, the embedding lookup forward and the tied logits' input gradient
+backward) and the 3 small vocab-parallel statistics are at the minimum. The 3
+bytes are the scalar loss: gshard keeps the gathered target logit a pending sum
+through the mean down to the scalar, so that all-reduce over `model`
+disappears, and reduces the scalar over `data`×`model` (2·7/8·4 = 7 B) instead
+of over `data` (4 B). Autodiff still needs the backward Σ_v of the log-softmax
+cotangent, which Megatron-LM's hand-written backward does not, so the small
+all-reduces still number 3 (max, sum of exp, backward sum), the minimum's count.
 
-1. +30 KiB, a redundant second psum in every layer-norm backward (5 layer norms:
-   ln1 and ln2 of both layers, and ln_f). The cotangent reaching each layer norm is
-   a pending partial sum over `model`: from the transposes of the q/k/v projections
-   (ln1), of the column-parallel w1 (ln2), and of the tied logits matmul (ln_f).
-   gshard carries it through the linear layer-norm backward and then reduces two
-   pieces of it:
-   - the [B/dp, T, D] term ct·scale·rsqrt(var) (psum at `_layer_norm`, models.py:83);
-   - the [B/dp, T] variance-gradient term, Σ_d ct·scale·(x−mean) (psum of a
-     `reduce_sum` at models.py:82).
-
-   The minimum, which is what GSPMD does here, is a single psum of the incoming
-   [B/dp, T, D] cotangent. After that, the whole layer-norm backward is local,
-   because x, its mean and variance, and the scale are replicated over `model`.
-   XLA merges each pair into one tuple all-reduce (`(f32[8,128], f32[8,128,256])`
-   in the listing). The cost is 6 KiB per layer norm in bytes, with no extra
-   latency.
-2. +3.75 KiB, the layer-norm scale gradients (5 x f32[256]). They are computed
-   from that same unreduced cotangent, so they are partial over `data` and `model`
-   together. They go through an all-reduce over all 8 devices (2·7/8·1 KiB each,
-   merged with the loss into one 5124-byte tuple, 8.76 KiB sent) instead of one
-   over `data` only (1 KiB each, 5.00 KiB in all).
-
-A possible fix for the partitioner: where a pending partial sum fans out to several
-consumers that would each need their own psum, reduce the common operand once if
-that is cheaper than the sum of the separate reductions. Here that means the
-[B/dp, T, D] cotangent entering each layer norm.
-
-gshard is also better than the Megatron count in one place, and it does not change
-the total. It keeps the gathered target logit a pending partial sum through the
-mean, down to the scalar loss, so its all-reduce over `model` disappears (the
-scalar is reduced over `data`×`model`: 7 B). Autodiff still needs the backward
-Σ_v of the log-softmax cotangent, which Megatron-LM's hand-written backward does not
-need. That makes 3 small all-reduces (max, sum of exp, backward sum), the same count
-as the minimum's 3 (max, target logit, sum of exp).
+The layer-norm backward is where this needed care. The cotangent reaching
+each layer norm is a pending partial sum over `model` (from the transposes of
+the q/k/v projections, of w1, or of the tied logits matmul). Carried through the
+linear layer-norm backward, it would need two psums (the [B/dp, T, D] term and
+a [B/dp, T] variance-gradient term) and would leave the layer-norm scale
+gradients partial over `data`×`model`. gshard's partial-sum pass sees that one
+psum of the incoming cotangent costs less than the psums it fans out into, and
+reduces it where it is produced (docs/design.md, "Partial sums, revisited").
 
 **Step time.** The two programs do the same work. Their `cost_analysis()` flops are
 3.12e9 and 3.13e9 per device and their bytes accessed differ by less than 1%, so the
