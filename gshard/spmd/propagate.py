@@ -468,10 +468,10 @@ def _psum_cost(t: Tensor, axes, mesh) -> float:
   return 2 * (n - 1) / n * local
 
 
-def _forward_partials(graph: Graph, resolved: set[int], reduced: list
-                      ) -> tuple[float, dict[int, float]]:
-  """One pass in program order. Returns the total bytes of the psums it implies
-  and, per pending value, the bytes of the psums downstream that it feeds."""
+def _forward_partials(graph: Graph, resolved: set[int], reduced: list):
+  """One pass in program order. Returns the total bytes of the psums it implies;
+  per pending value, the bytes of the psums downstream that it feeds; and per
+  pending value, its pending ancestors."""
   found: dict[int, frozenset[str]] = {}
   feeds: dict[int, frozenset[int]] = {}      # pending value -> pending ancestors
   downstream: dict[int, float] = {}
@@ -497,23 +497,23 @@ def _forward_partials(graph: Graph, resolved: set[int], reduced: list
         total += cost
         for a in anc:
           downstream[a] = downstream.get(a, 0.0) + cost
-  return total, downstream
+  return total, downstream, feeds
 
 
 def _settle(graph: Graph, resolved: set[int], reduced: list, consumers) -> float:
   """Resolve every value some consumer cannot take pending; returns the cost."""
   for _ in range(len(graph.tensors) + 1):
-    total, downstream = _forward_partials(graph, resolved, reduced)
+    total, downstream, feeds = _forward_partials(graph, resolved, reduced)
     bad = {id(t) for t in graph.tensors.values() if t.sharding.partial and
            id(t) not in resolved and
            not all(_accepts(b, t) for b in consumers.get(id(t), ()))}
     if not bad:
-      return total, downstream
+      return total, downstream, feeds
     resolved |= bad
   raise RuntimeError("partial-sum marking did not converge")
 
 
-def _mark_partials(graph: Graph, max_trials: int = 64) -> None:
+def _mark_partials(graph: Graph, max_trials: int = 48) -> None:
   """Mark pending partial sums, in program order.
 
   A value stays pending only while every consumer lets it through (linear
@@ -531,7 +531,7 @@ def _mark_partials(graph: Graph, max_trials: int = 64) -> None:
   resolved = {id(graph.tensor((), v)) for v in graph.top.outvars
               if graph.tensor((), v) is not None}
   reduced = [_reduced_axes(b, graph.mesh_sizes) for b in graph.bounds]
-  total, downstream = _settle(graph, resolved, reduced, consumers)
+  total, downstream, feeds = _settle(graph, resolved, reduced, consumers)
   by_id = {id(t): t for t in graph.tensors.values()}
   order = {id(t): k for k, t in enumerate(graph.tensors.values())}   # deterministic
   tried: set[int] = set()
@@ -539,15 +539,18 @@ def _mark_partials(graph: Graph, max_trials: int = 64) -> None:
     gains = sorted((-(downstream[i] - _psum_cost(by_id[i], by_id[i].sharding.partial,
                                                  graph.mesh_sizes)), order[i], i)
                    for i in downstream if i not in tried and by_id[i].sharding.partial)
-    gains = [(g, k, i) for g, k, i in gains if g < 0]
-    if not gains:
+    gains = [i for g, _, i in gains if g < 0]
+    # Only the most upstream candidates: resolving one settles its descendants.
+    candidates = set(gains)
+    roots = [i for i in gains if not feeds.get(i, frozenset()) & candidates]
+    if not roots:
       break
-    _, _, i = gains[0]
+    i = roots[0]
     tried.add(i)
     trial = set(resolved) | {i}
-    t_total, t_down = _settle(graph, trial, reduced, consumers)
+    t_total, t_down, t_feeds = _settle(graph, trial, reduced, consumers)
     if t_total < total:
-      resolved, total, downstream = trial, t_total, t_down
+      resolved, total, downstream, feeds = trial, t_total, t_down, t_feeds
   _settle(graph, resolved, reduced, consumers)
 
 
