@@ -16,11 +16,32 @@ static and closed over. Dropout draws from ``nnx.Rngs(dropout=key(seed))``
 made inside the step; each device draws its own block of the very masks the
 1-device run draws.
 
-Run: ``python examples/flax_nnx.py`` (8 simulated CPU devices, mesh 2x4).
+Mixture of experts (``--moe``, ``create(num_experts=E)``): every other
+feed-forward block (blocks 1, 3, ...) is a GShard MoE layer, ``MoEBlock``: an
+``nnx.Module`` whose ``nnx.Param`` s are the router ``wg`` [M, E] and the
+experts' ``wi`` [E, M, H] and ``wo`` [E, H, M], applied by
+``gshard.moe.moe_apply`` (its own annotations, gshard/moe/layer.py). Each
+sequence is one group of tokens for the gating (G = batch, S = sequence). The
+batch axis doubles as the expert axis: the mesh keeps its names, ``data`` x
+``model``, and the MoE splits tokens (G) and experts (E) over ``data``
+(``expert_axis="data"``) and each expert's hidden dim over ``model``; so no new
+annotation is needed elsewhere, and dispatch and combine are all-to-alls over
+``data``. The MoE run uses the mesh data=4 x model=2 (four expert shards of two
+experts each) rather than 2x4, so that the experts are spread over four
+devices. The layer's auxiliary load-balancing loss is sown
+(``nnx.Intermediate``), captured in the loss function (``nnx.capture``) and
+added with weight ``AUX_LOSS_WEIGHT``. The second expert is routed the
+paper's way (``second_policy="random"``) from an ``nnx.Rngs`` stream
+``routing`` whose key is derived inside the step from the step's seed, like
+dropout's: the partitioned step routes every token as the 1-device run does.
+
+Run: ``python examples/flax_nnx.py`` (8 simulated CPU devices, mesh 2x4), or
+``python examples/flax_nnx.py --moe`` (mesh 4x2, MoE every other block).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -39,6 +60,9 @@ from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gshard  # noqa: E402
+from gshard.moe import moe_apply, moe_init  # noqa: E402
+
+AUX_LOSS_WEIGHT = 1e-2      # weight of the MoE load-balancing loss in the training loss
 
 
 class CausalSelfAttention(nnx.Module):
@@ -68,13 +92,57 @@ class MLP(nnx.Module):
     return self.dropout(self.down(h), rngs=rngs)
 
 
+class MoEBlock(nnx.Module):
+  """A GShard mixture-of-experts feed-forward layer, in place of an ``MLP``.
+
+  The parameters are ``nnx.Param`` s, initialised by ``gshard.moe.moe_init``:
+  the router ``wg`` [M, E] and the experts' ``wi`` [E, M, H], ``wo`` [E, H, M].
+  ``moe_apply`` annotates them itself (``wg`` replicated, the experts split on
+  E over ``expert_axis`` and on H over ``model_axis``); propagation carries
+  that layout to the parameters and the optimizer state.
+
+  Tokens [B, T, M] are the gating's groups [G, S, M]: one group per sequence.
+  The second expert is kept at random (``second_policy="random"``) with a key
+  from the ``routing`` stream of ``rngs``; without one (``rngs=None``, or no
+  such stream) every second choice is used (``"all"``). The auxiliary
+  load-balancing loss is sown as ``nnx.Intermediate`` ``aux_loss``.
+  """
+
+  def __init__(self, d_model: int, d_expert: int, num_experts: int, dropout: float, *,
+               expert_axis="data", model_axis="model", capacity_factor: float = 2.0,
+               rngs: nnx.Rngs):
+    params = moe_init(rngs.params(), d_model, d_expert, num_experts)
+    self.wg = nnx.Param(params["wg"])
+    self.wi = nnx.Param(params["wi"])
+    self.wo = nnx.Param(params["wo"])
+    self.dropout = nnx.Dropout(dropout)
+    self.expert_axis, self.model_axis = expert_axis, model_axis
+    self.capacity_factor = capacity_factor
+
+  def __call__(self, x, rngs=None):
+    # x [B, T, M] is already the gating's [G, S, M]: one group per sequence
+    key = rngs.routing() if rngs is not None and "routing" in rngs else None
+    y, aux_loss, _ = moe_apply(
+        {"wg": self.wg[...], "wi": self.wi[...], "wo": self.wo[...]}, x,
+        expert_axis=self.expert_axis, model_axis=self.model_axis,
+        capacity_factor=self.capacity_factor, key=key,
+        second_policy="random" if key is not None else "all")
+    self.sow(nnx.Intermediate, "aux_loss", aux_loss)
+    return self.dropout(y, rngs=rngs)
+
+
 class Block(nnx.Module):
   def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, *,
-               rngs: nnx.Rngs):
+               num_experts: int = 0, d_expert: int | None = None,
+               expert_axis="data", model_axis="model", rngs: nnx.Rngs):
     self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
     self.attn = CausalSelfAttention(d_model, n_heads, rngs=rngs)
     self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.mlp = MLP(d_model, d_ff, dropout, rngs=rngs)
+    if num_experts:
+      self.mlp = MoEBlock(d_model, d_expert or d_ff, num_experts, dropout,
+                          expert_axis=expert_axis, model_axis=model_axis, rngs=rngs)
+    else:
+      self.mlp = MLP(d_model, d_ff, dropout, rngs=rngs)
 
   def __call__(self, x, rngs=None):
     x = x + self.attn(self.ln1(x))
@@ -82,14 +150,23 @@ class Block(nnx.Module):
 
 
 class TransformerLM(nnx.Module):
-  """Decoder-only language model with tied input/output embeddings."""
+  """Decoder-only language model with tied input/output embeddings.
+
+  With ``num_experts > 0``, blocks 1, 3, ... have an ``MoEBlock`` of
+  ``num_experts`` experts of hidden width ``d_expert`` (default ``d_ff``)
+  instead of the ``MLP`` (GShard's every-other-layer MoE).
+  """
 
   def __init__(self, vocab: int = 128, d_model: int = 64, n_heads: int = 4,
                n_layers: int = 2, d_ff: int = 256, dropout: float = 0.1, *,
-               rngs: nnx.Rngs):
+               num_experts: int = 0, d_expert: int | None = None,
+               expert_axis="data", model_axis="model", rngs: nnx.Rngs):
     self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
-    self.blocks = nnx.List([Block(d_model, n_heads, d_ff, dropout, rngs=rngs)
-                            for _ in range(n_layers)])
+    self.blocks = nnx.List([
+        Block(d_model, n_heads, d_ff, dropout, num_experts=num_experts if i % 2 else 0,
+              d_expert=d_expert, expert_axis=expert_axis, model_axis=model_axis,
+              rngs=rngs)
+        for i in range(n_layers)])
     self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
 
   def __call__(self, tokens, rngs=None):
@@ -110,10 +187,17 @@ def create(seed: int = 0, learning_rate: float = 3e-3, **model_kw):
 def train_step(graphdef, state, tokens, targets, dropout_seed):
   """One AdamW step; a pure function of arrays once ``graphdef`` is bound."""
   model, optimizer = nnx.merge(graphdef, state)
+  key = jax.random.key(dropout_seed)
 
   def loss_fn(model):
-    logits = model(tokens, rngs=nnx.Rngs(dropout=jax.random.key(dropout_seed)))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    # dropout's stream, and the MoE's second-expert routing (unused when dense)
+    rngs = nnx.Rngs(dropout=key, routing=jax.random.fold_in(key, 1))
+    logits, sown = nnx.capture(model, nnx.Intermediate)(tokens, rngs=rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    aux_losses = jax.tree.leaves(sown)                # MoEBlock's load-balancing losses
+    if aux_losses:
+      loss = loss + AUX_LOSS_WEIGHT * sum(aux_losses)
+    return loss
 
   loss, grads = nnx.value_and_grad(loss_fn)(model)
   optimizer.update(model, grads)
@@ -136,10 +220,11 @@ def partitioned_step(graphdef, mesh):
 
 
 def train(steps: int = 30, batch: int = 16, seq: int = 32, vocab: int = 128,
-          log_every: int = 5, verbose: bool = True):
-  """Train on a 2x4 mesh; returns (losses, partitioned step, final state)."""
-  mesh = gshard.make_mesh((2, 4), ("data", "model"))
-  graphdef, state = create(vocab=vocab)
+          log_every: int = 5, verbose: bool = True, num_experts: int = 0):
+  """Train on a 2x4 mesh (4x2 with ``num_experts``: MoE every other block);
+  returns (losses, partitioned step, final state)."""
+  mesh = gshard.make_mesh((4, 2) if num_experts else (2, 4), ("data", "model"))
+  graphdef, state = create(vocab=vocab, num_experts=num_experts)
   step = partitioned_step(graphdef, mesh)
   losses = []
   key = jax.random.PRNGKey(42)
@@ -158,9 +243,17 @@ def train(steps: int = 30, batch: int = 16, seq: int = 32, vocab: int = 128,
 
 
 def main():
-  print("gshard + Flax NNX: Transformer LM, AdamW, mesh data=2 x model=4 "
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--moe", action="store_true",
+                      help="every other feed-forward block a GShard MoE (mesh 4x2)")
+  parser.add_argument("--experts", type=int, default=8, help="experts per MoE block")
+  args = parser.parse_args()
+  num_experts = args.experts if args.moe else 0
+  shape = "data=4 x model=2" if num_experts else "data=2 x model=4"
+  kind = f", MoE of {num_experts} experts every other block" if num_experts else ""
+  print(f"gshard + Flax NNX: Transformer LM{kind}, AdamW, mesh {shape} "
         f"({jax.device_count()} simulated CPU devices)")
-  losses, step, state = train()
+  losses, step, state = train(num_experts=num_experts)
   print(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}")
   tokens, targets = synthetic_batch(jax.random.PRNGKey(0), 16, 32, 128)
   print()

@@ -286,12 +286,13 @@ def _local_nbytes(t: Tensor, mesh) -> int:
 def _reshard_bytes(h: _Holder, axes: Axes, mesh) -> int:
   """Roughly what one device sends to give ``h``'s factor the split ``axes``.
 
-  Refining a free tensor is a local slice (0). A pinned tensor that must
-  change moves its block (an all-to-all: its local bytes). Axes taken away
-  are gathered: the local bytes times their size.
+  Splitting further is a local slice (0), of a pinned tensor too (the op
+  reads a slice of it). Axes taken away are gathered: the local bytes times
+  their size. (An axis moving to another factor of the same tensor, an
+  all-to-all, is settled with exact plans in :func:`_solve`.)
   """
   if axes[:len(h.proj)] == h.proj:
-    return _local_nbytes(h.tensor, mesh) if h.fixed and h.proj != axes else 0
+    return 0
   removed = math.prod(mesh[a] for a in h.proj if a not in axes)
   return _local_nbytes(h.tensor, mesh) * max(1, removed)
 
