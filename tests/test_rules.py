@@ -393,7 +393,7 @@ PROPAGATED = [
     ("mul by scalar", lambda x, s: x * s, (P("data", "model"), P()),
      [S((8, 16), f32), S((), f32)], "mul", "f32[8@data,16@model]"),
     ("size-1 dim is never split", lambda x, y: lax.mul(x, y), (P("data", None), P(None, "model")),
-     [S((8, 1), f32), S((8, 16), f32)], "mul", "f32[8,16@model]"),
+     [S((8, 1), f32), S((8, 16), f32)], "mul", "f32[8@data,16@model]"),
     ("exp", jnp.exp, (P(("data", "model")),), [S((8, 16), f32)], "exp",
      "f32[8@data*model,16]"),
     ("matmul split contraction", lambda x, y: -(x @ y), (P("data", "model"), P("model")),

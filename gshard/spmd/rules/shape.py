@@ -234,18 +234,18 @@ def dynamic_update_slice_rule(in_avals, out_avals, **params) -> FactorRule:
   return _build([op, upd] + [[] for _ in idx], [op], sizes)
 
 
-def concatenate_rule(in_avals, out_avals, *, dimension, **params) -> FactorRule:
-  del params
-  in_shapes, (out_shape,) = shapes(in_avals), shapes(out_avals)
+def _pieces_along(ins, outs, whole, dim: int, linear: str) -> FactorRule:
+  """Tensors cut into pieces along ``dim`` of the ``whole`` shape: every other
+  dim shares a factor; ``dim`` gets a blocked factor per tensor."""
   new = _Names()
-  shared = [new() for _ in out_shape]
-  sizes = dict(zip(shared, out_shape))
+  shared = [new() for _ in whole]
+  sizes = dict(zip(shared, whole))
   blocked = []
 
   def dims(shape):
     ds = []
     for i, n in enumerate(shape):
-      if i == dimension:
+      if i == dim:
         f = new()
         sizes[f] = n
         blocked.append(f)
@@ -254,32 +254,21 @@ def concatenate_rule(in_avals, out_avals, *, dimension, **params) -> FactorRule:
         ds.append((shared[i],))
     return ds
 
-  return _build([dims(s) for s in in_shapes], [dims(out_shape)], sizes,
-                blocked=blocked, linear="sum")
+  return _build([dims(s) for s in ins], [dims(s) for s in outs], sizes,
+                blocked=blocked, linear=linear)
+
+
+def concatenate_rule(in_avals, out_avals, *, dimension, **params) -> FactorRule:
+  """``concatenate([f32[2,3], f32[2,5]], 1)`` is ``aB,aC->aD blocked={BCD}``."""
+  del params
+  outs = shapes(out_avals)
+  return _pieces_along(shapes(in_avals), outs, outs[0], dimension, "sum")
 
 
 def split_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
   del params
-  (op_shape,), out_shapes = shapes(in_avals), shapes(out_avals)
-  new = _Names()
-  shared = [new() for _ in op_shape]
-  sizes = dict(zip(shared, op_shape))
-  blocked = []
-
-  def dims(shape):
-    ds = []
-    for i, n in enumerate(shape):
-      if i == axis:
-        f = new()
-        sizes[f] = n
-        blocked.append(f)
-        ds.append((f,))
-      else:
-        ds.append((shared[i],))
-    return ds
-
-  return _build([dims(op_shape)], [dims(s) for s in out_shapes], sizes,
-                blocked=blocked, linear="unary")
+  ins = shapes(in_avals)
+  return _pieces_along(ins, shapes(out_avals), ins[0], axis, "unary")
 
 
 def iota_rule(in_avals, out_avals, **params) -> FactorRule:
@@ -302,3 +291,5 @@ register("dynamic_update_slice", dynamic_update_slice_rule)
 register("concatenate", concatenate_rule)
 register("split", split_rule)
 register("iota", iota_rule)
+# jax's uninitialised scalar (cond/scan residual placeholders in a VJP): no operands.
+register("empty2", iota_rule)
