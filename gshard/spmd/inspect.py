@@ -37,7 +37,11 @@ class Lowered:
 
   def per_device_jaxpr(self):
     """The body of the shard_map: the program each device runs (a Jaxpr)."""
-    closed = jax.make_jaxpr(self._entry.shard_fn)(*self._structs)
+    # the shard_map sees uneven arguments padded to a multiple of their shards
+    entry, sizes = self._entry, self._p.mesh_sizes
+    structs = [jax.ShapeDtypeStruct(s.padded_shape(a.shape, sizes), a.dtype)
+               for a, s in zip(entry.flat_avals, entry.in_shardings)]
+    closed = jax.make_jaxpr(entry.shard_fn)(*structs)
     for eqn in closed.jaxpr.eqns:
       if eqn.primitive.name == "shard_map":
         return eqn.params["jaxpr"]

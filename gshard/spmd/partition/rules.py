@@ -539,9 +539,12 @@ def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   del scope, idx
   ctx.fallback(eqn, "no rule" if eqn.primitive.name not in sharding_rules
                else "no local form")
+  first = len(ctx.recorder.collectives)
   xs = [v.x if v.literal else
         ctx.reshard(v, TensorSharding.replicated(len(v.shape)), eqn, f"operand {j}").x
         for j, v in enumerate(ins)]
+  cols = ctx.recorder.collectives     # the safe path's gathers are reported as such
+  cols[first:] = [dataclasses.replace(c, fallback=True) for c in cols[first:]]
   outs = eqn.primitive.bind(*xs, **eqn.params)
   outs = list(outs) if eqn.primitive.multiple_results else [outs]
   return [Value(o, TensorSharding.replicated(len(v.aval.shape)), tuple(v.aval.shape),

@@ -271,6 +271,36 @@ def split_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
   return _pieces_along(ins, shapes(out_avals), ins[0], axis, "unary")
 
 
+def stack_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
+  """``stack([f32[2,3], f32[2,3]], 0)`` (``jnp.stack``) is ``ab,ab->Cab blocked={C}``."""
+  del params
+  ins, (out,) = shapes(in_avals), shapes(out_avals)
+  new = _Names()
+  shared = [new() for _ in ins[0]]
+  sizes = dict(zip(shared, ins[0]))
+  f = new()
+  sizes[f] = out[axis % len(out)]
+  res = [(g,) for g in shared]
+  res.insert(axis % len(out), (f,))
+  return _build([[(g,) for g in shared]] * len(ins), [res], sizes, blocked=[f],
+                linear="sum")
+
+
+def unstack_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
+  """``unstack(f32[2,4,3], 0)`` (the transpose of stack) is ``Cab->ab,ab blocked={C}``."""
+  del params
+  (op,), outs = shapes(in_avals), shapes(out_avals)
+  new = _Names()
+  f = new()
+  shared = [new() for _ in outs[0]]
+  sizes = dict(zip(shared, outs[0]))
+  sizes[f] = op[axis % len(op)]
+  dims = [(g,) for g in shared]
+  dims.insert(axis % len(op), (f,))
+  return _build([dims], [[(g,) for g in shared]] * len(outs), sizes, blocked=[f],
+                linear="unary")
+
+
 def iota_rule(in_avals, out_avals, **params) -> FactorRule:
   """No operands: the result's factors are free for its consumers to choose."""
   del params
@@ -290,6 +320,8 @@ register("dynamic_slice", dynamic_slice_rule)
 register("dynamic_update_slice", dynamic_update_slice_rule)
 register("concatenate", concatenate_rule)
 register("split", split_rule)
+register("stack", stack_rule)
+register("unstack", unstack_rule)
 register("iota", iota_rule)
 # jax's uninitialised scalar (cond/scan residual placeholders in a VJP): no operands.
 register("empty2", iota_rule)

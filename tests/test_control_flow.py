@@ -1,0 +1,518 @@
+"""Control flow and nested calls under ``gshard.partition``.
+
+``scan`` (the MaxText-style scanned layer stack, carries whose sharding has to
+reach a fixed point, xs/ys split on their non-scanned dims), ``while_loop``
+(``fori_loop`` with a traced trip count), ``cond``/``switch`` on split
+operands, nested ``jit``, ``custom_jvp``, ``custom_vjp`` and ``jax.checkpoint``:
+every program equals ``jax.jit`` of the same program on one device, gradients
+included. Structural: loops stay loops (the per-device program of the scanned
+layer stack does not grow with the number of layers) and ``jax.checkpoint`` is
+kept in the per-device program.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from examples import models as M
+from helpers_partition import assert_named_sharding, assert_trees_close, mesh
+
+pytestmark = pytest.mark.filterwarnings("error::gshard.PartitionWarning")
+
+M24 = ((2, 4), ("data", "model"))
+
+
+def rand(*shape, seed=0, scale=1.0):
+  return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def check(fn, args, in_specs, out_specs=None, shape=M24, rtol=1e-5, atol=1e-5, what=""):
+  """Partition ``fn``, compare with ``jax.jit(fn)``; return (outputs, Lowered)."""
+  m = mesh(*shape)
+  step = gshard.partition(fn, m, in_specs=in_specs, out_specs=out_specs)
+  out = step(*args)
+  assert_trees_close(out, jax.jit(fn)(*args), rtol=rtol, atol=atol, what=what)
+  return out, step.lower(*args)
+
+
+def check_with_grads(fn, args, in_specs, argnums, shape=M24, rtol=1e-5, atol=1e-5,
+                     what=""):
+  """``check`` of ``fn`` and of ``value_and_grad`` of a weighted sum of its outputs."""
+  out, low = check(fn, args, in_specs, shape=shape, rtol=rtol, atol=atol, what=what)
+
+  def loss(*a):
+    total = 0.0
+    for k, o in enumerate(jax.tree.leaves(fn(*a))):
+      if jnp.issubdtype(o.dtype, jnp.floating):
+        w = np.cos(np.arange(o.size, dtype=np.float32) + k).reshape(o.shape)
+        total = total + jnp.sum(o * w)
+    return total
+
+  check(jax.value_and_grad(loss, argnums=argnums), args, in_specs, shape=shape,
+        rtol=rtol, atol=atol, what=f"{what} value_and_grad")
+  return out, low
+
+
+def eqns_of(jaxpr):
+  """Every equation of ``jaxpr`` and of its nested jaxprs."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from eqns_of(sub)
+
+
+def kinds(low) -> set[str]:
+  return {c.kind for c in low.collectives()}
+
+
+# -- the scanned layer stack ----------------------------------------------------
+
+GPT_SIZES = dict(vocab=64, d_model=32, n_heads=4, d_ff=64)
+SCAN_SGD = M.sgd_step(M.gpt_scan_loss)
+
+
+def gpt_batch(batch=8, seq=8, vocab=64):
+  rng = np.random.default_rng(7)
+  return (rng.integers(0, vocab, (batch, seq)).astype(np.int32),
+          rng.integers(0, vocab, (batch, seq)).astype(np.int32))
+
+
+def numpy_params(init, **kw):
+  """``init``'s parameter tree filled on the host (eager jax.random init would
+  compile dozens of small programs): layer-norm scales 1, weights N(0, 1/fan_in)."""
+  shapes = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), **kw))
+  rng = np.random.default_rng(0)
+
+  def fill(path, s):
+    if "ln" in jax.tree_util.keystr(path):
+      return np.ones(s.shape, np.float32)
+    return (rng.standard_normal(s.shape) / np.sqrt(s.shape[-2])).astype(np.float32)
+
+  return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+def test_scanned_gpt_sgd_steps_equal_one_device():
+  """Three SGD steps of the scanned GPT (stacked layers, ``lax.scan``): the
+  parameters and losses equal one device's, and the stacked parameters keep
+  their specs (layer dim unsplit, heads / d_ff / vocabulary over ``model``)."""
+  m = mesh(*M24)
+  params = numpy_params(M.gpt_scan_init, n_layers=3, **GPT_SIZES)
+  specs = M.gpt_scan_specs(params)
+  step = gshard.partition(SCAN_SGD, m, in_specs=(specs, P("data"), P("data")))
+  ref_step = jax.jit(SCAN_SGD)
+  got = want = params
+  batch = gpt_batch()
+  losses = []
+  for i in range(3):
+    got, loss = step(got, *batch)
+    want, ref_loss = ref_step(want, *batch)
+    assert_trees_close((got, loss), (want, ref_loss), rtol=2e-5, atol=2e-5,
+                       what=f"step {i}")
+    losses.append(float(loss))
+  assert losses[2] < losses[0]          # it trains
+  flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  for k, (leaf, spec) in enumerate(zip(jax.tree.leaves(got), flat_specs)):
+    assert_named_sharding(leaf, m, spec, f"parameter {k}")
+  low = step.lower(params, *batch)
+  assert not low.fallbacks
+  assert "all_gather" not in kinds(low), low.explain()
+
+
+def _lower_gpt(n_layers: int, scanned: bool):
+  m = mesh(*M24)
+  init, specs, loss = ((M.gpt_scan_init, M.gpt_scan_specs, M.gpt_scan_loss) if scanned
+                       else (M.gpt_init, M.gpt_specs, M.gpt_loss))
+  params = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), n_layers=n_layers,
+                                       **GPT_SIZES))
+  tokens = jax.ShapeDtypeStruct((8, 8), jnp.int32)
+  step = gshard.partition(M.sgd_step(loss), m,
+                          in_specs=(specs(params), P("data"), P("data")))
+  return step.lower(params, tokens, tokens)
+
+
+def test_scanned_layer_stack_keeps_its_loops():
+  """2 and 8 layers give the same per-device program: the same number of
+  ``scan``s (forward and backward, none unrolled), the same size up to the
+  trip count, and the same collectives, those inside the loop with 4x the
+  bytes (their cost is counted per iteration)."""
+  low2, low8 = _lower_gpt(2, True), _lower_gpt(8, True)
+  t2, t8 = low2.as_text("jaxpr"), low8.as_text("jaxpr")
+  n_scans = t2.count("scan[")
+  assert n_scans >= 2, t2                       # the forward and the backward loop
+  assert t8.count("scan[") == n_scans
+  assert "while[" not in t2
+  assert set(re.findall(r"length=(\d+)", t2)) == {"2"}
+  assert set(re.findall(r"length=(\d+)", t8)) == {"8"}
+  assert abs(len(t8) - len(t2)) <= 0.02 * len(t2), (len(t2), len(t8))
+  h2, h8 = low2.as_text(), low8.as_text()
+  assert abs(len(h8) - len(h2)) <= 0.02 * len(h2), (len(h2), len(h8))
+
+  c2, c8 = low2.collectives(), low8.collectives()
+  assert len(c2) == len(c8)
+  in_loop = 0
+  for a, b in zip(c2, c8):
+    assert (a.kind, a.axes, a.primitive, a.shape) == (b.kind, b.axes, b.primitive, b.shape)
+    assert b.bytes in (a.bytes, 4 * a.bytes), (str(a), str(b))
+    in_loop += b.bytes == 4 * a.bytes != a.bytes
+  assert in_loop > 0
+
+
+def test_unscanned_stack_grows_with_depth():
+  """The contrast: the unscanned GPT's per-device program grows with depth
+  (so the size check above can see unrolling)."""
+  t2 = _lower_gpt(2, False).as_text("jaxpr")
+  t4 = _lower_gpt(4, False).as_text("jaxpr")
+  assert "scan[" not in t2
+  assert len(t4) > 1.5 * len(t2)
+
+
+# -- scan: carries and xs/ys ----------------------------------------------------
+
+def _carry_annotated_in_body(x, ws):
+  def body(c, w):
+    c = jnp.tanh(c @ w)
+    c = gshard.shard(c, P("data", "model"))
+    return c, c.sum(1)
+  return lax.scan(body, x, ws)
+
+
+def test_carry_sharding_comes_from_the_body():
+  """The initial carry is unannotated (and placed replicated): the body's
+  annotation reaches the carry's input and output (a fixed point), the loop
+  body runs on [data, model] blocks and the result comes out split."""
+  x, ws = rand(8, 16), rand(3, 16, 16, seed=1, scale=0.25)
+  out, low = check_with_grads(_carry_annotated_in_body, (x, ws), (P(), None), (0, 1))
+  assert_named_sharding(out[0], mesh(*M24), P("data", "model"), "carry")
+  jaxpr = low.per_device_jaxpr()
+  (scan,) = [e for e in eqns_of(jaxpr) if e.primitive.name == "scan"]
+  carry_in = scan.params["jaxpr"].jaxpr.invars[0]
+  assert carry_in.aval.shape == (4, 4)          # f32[8@data,16@model] per device
+  assert "all_gather" not in kinds(low), low.explain()
+
+
+def _swap(a, b):
+  def body(c, _):
+    x, y = c
+    return (jnp.sin(y) + 1.0, x * 0.5), None
+  return lax.scan(body, (a, b), None, length=5)[0]
+
+
+def _transpose_carry(x):
+  def body(c, _):
+    return jnp.tanh(c.T) * 1.5 + 0.1, c.sum()
+  return lax.scan(body, x, None, length=4)
+
+
+def _partial_carry(x, w):
+  def body(c, _):
+    return c + jnp.tanh(c) @ w, None          # the dot contracts a split dim
+  return lax.scan(body, x, None, length=3)[0]
+
+
+@pytest.mark.parametrize("name,fn,args,in_specs,argnums", [
+    # carries swap every step: two layouts that must settle on one
+    ("swapping carries", _swap, (rand(8, 16), rand(8, 16, seed=1)),
+     (P("data", "model"), P("model", "data")), (0, 1)),
+    # a carry transposed every step: its layout cannot be kept by both dims
+    ("transposed carry", _transpose_carry, (rand(8, 8),), (P("data", "model"),), (0,)),
+    # the body leaves a pending sum in the carry: resolved once per step
+    ("partial-sum carry", _partial_carry, (rand(8, 16), rand(16, 16, seed=1, scale=0.2)),
+     (P("data", "model"), P("model")), (0, 1)),
+])
+def test_carry_fixed_points(name, fn, args, in_specs, argnums):
+  check_with_grads(fn, args, in_specs, argnums, what=name)
+
+
+def _xs_ys(xs, w, c0, reverse=False):
+  def body(c, x):
+    y = jnp.tanh(x @ w) + c
+    return c * 0.5 + y.mean(0), y
+  return lax.scan(body, c0, xs, reverse=reverse)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_xs_and_ys_split_on_non_scanned_dims(reverse):
+  """xs f32[L, B, D] split (_, data, model): each step reads its local
+  [B/2, D/4] block; ys come out split on B, the scanned dim is never split."""
+  xs, w, c0 = rand(5, 8, 16), rand(16, 16, seed=1, scale=0.25), rand(16, seed=2)
+  fn = lambda xs, w, c0: _xs_ys(xs, w, c0, reverse)   # noqa: E731
+  out, low = check_with_grads(fn, (xs, w, c0), (P(None, "data", "model"), P("model"), P()),
+                              (0, 1, 2))
+  assert low.in_shardings[0].to_spec() == P(None, "data", "model")
+  ys_spec = low.out_shardings[1].to_spec()
+  assert ys_spec[0] is None and ys_spec[1] == "data", ys_spec
+  assert_named_sharding(out[1], mesh(*M24), ys_spec, "ys")
+  (scan,) = [e for e in eqns_of(low.per_device_jaxpr()) if e.primitive.name == "scan"]
+  assert scan.invars[-1].aval.shape == (5, 4, 4)      # the local xs: L unsplit
+  assert "all_gather" not in kinds(low), low.explain()
+
+
+# -- while ----------------------------------------------------------------------
+
+def _fori(x, w, n):
+  return lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ w) + i.astype(c.dtype) * 0.1, x)
+
+
+def test_fori_loop_with_a_traced_trip_count():
+  """The trip count is an argument: a ``while`` in the per-device program (not
+  unrolled), one compilation for every count, zero iterations included."""
+  m = mesh(*M24)
+  x, w = rand(8, 16), rand(16, 16, seed=1, scale=0.25)
+  step = gshard.partition(_fori, m, in_specs=(P("data"), P(None, "model"), None))
+  ref = jax.jit(_fori)
+  for n in (0, 1, 4, 7):
+    assert_trees_close(step(x, w, np.int32(n)), ref(x, w, np.int32(n)), what=f"n={n}")
+  assert len(step._cache) == 1
+  low = step.lower(x, w, np.int32(3))
+  jaxpr = low.as_text("jaxpr")
+  assert jaxpr.count("while[") == 1 and "scan[" not in jaxpr
+  # w is column-split, so c @ w needs all of c's columns: one all_gather per
+  # iteration, inside the loop body (the loop is not unrolled)
+  (loop,) = [e for e in eqns_of(low.per_device_jaxpr()) if e.primitive.name == "while"]
+  body = loop.params["body_jaxpr"].jaxpr
+  assert any(e.primitive.name == "all_gather" for e in eqns_of(body)), low.as_text("jaxpr")
+
+
+def _while_until(x, limit):
+  def cond(s):
+    return jnp.max(s[1]) < limit           # a max over split dims decides
+  def body(s):
+    return s[0] + 1, s[1] * 1.5 + 0.25
+  return lax.while_loop(cond, body, (0, x))
+
+
+def test_while_with_a_data_dependent_condition():
+  """The loop condition is a max over split dims (a pmax in the condition)."""
+  m = mesh(*M24)
+  x = np.abs(rand(8, 16)) * 0.1
+  step = gshard.partition(_while_until, m, in_specs=(P("data", "model"), None))
+  ref = jax.jit(_while_until)
+  for limit in (0.0, 5.0, 100.0):
+    assert_trees_close(step(x, np.float32(limit)), ref(x, np.float32(limit)),
+                       what=f"limit {limit}")
+  low = step.lower(x, np.float32(1.0))
+  assert kinds(low) <= {"pmax"}, low.explain()
+
+
+# -- cond / switch -----------------------------------------------------------------
+
+def _cond(p, x, w):
+  return lax.cond(p > 0, lambda a, b: jnp.sin(a) @ b, lambda a, b: jnp.cos(a) @ b * 2.0,
+                  x, w)
+
+
+def check_values(fn, arg_sets, in_specs, argnums, what=""):
+  """Partition ``fn`` and ``value_and_grad`` of a weighted sum of its outputs
+  once, then compare both with one device for each argument tuple (a traced
+  predicate or index: one compilation serves every value)."""
+  m = mesh(*M24)
+
+  def loss(*a):
+    return sum(jnp.sum(o * np.cos(np.arange(o.size, dtype=np.float32)).reshape(o.shape))
+               for o in jax.tree.leaves(fn(*a)))
+
+  vg = jax.value_and_grad(loss, argnums=argnums)
+  steps = [(gshard.partition(f, m, in_specs=in_specs), jax.jit(f)) for f in (fn, vg)]
+  for args in arg_sets:
+    for step, ref in steps:
+      assert_trees_close(step(*args), ref(*args), what=f"{what} {args[0]}")
+  return steps[0][0].lower(*arg_sets[0]), steps[1][0].lower(*arg_sets[0])
+
+
+def test_cond_on_split_operands():
+  """Both branches on x split (data, model) and w split (model, _): the cond
+  stays a cond, each branch leaves the same pending sum; both branches taken."""
+  x, w = rand(8, 16), rand(16, 8, seed=1)
+  lows = check_values(_cond, [(np.float32(p), x, w) for p in (1.0, -1.0)],
+                      (None, P("data", "model"), P("model")), (1, 2))
+  for low in lows:
+    assert "cond[" in low.as_text("jaxpr")
+    assert "all_gather" not in kinds(low), low.explain()
+
+
+def _switch(i, x, w):
+  return lax.switch(i, [lambda a, b: a * 2.0,
+                        lambda a, b: jnp.tanh(a) * b,
+                        lambda a, b: gshard.shard(a + b, P("model", "data")) - 1.0], x, w)
+
+
+def test_switch_on_split_operands():
+  """Three branches, one of which re-annotates its result; out-of-range
+  indices clamp as in jax."""
+  x, w = rand(8, 16), rand(8, 16, seed=1)
+  lows = check_values(_switch, [(np.int32(i), x, w) for i in (-3, 0, 1, 2, 9)],
+                      (None, P("data", "model"), P("data")), (1, 2))
+  for low in lows:
+    assert "cond[" in low.as_text("jaxpr")
+
+
+# -- nested calls ----------------------------------------------------------------
+
+@jax.jit
+def _inner(a, w):
+  return jax.nn.relu(a @ w)
+
+
+def _nested(x, w1, w2):
+  @jax.jit
+  def outer(a):
+    return _inner(_inner(a, w1), w2)
+  return jnp.sum(outer(x) ** 2), outer(x * 0.5)
+
+
+def test_nested_jit():
+  args = (rand(8, 16), rand(16, 32, seed=1, scale=0.25), rand(32, 16, seed=2, scale=0.2))
+  calls = {e.primitive.name for e in eqns_of(jax.make_jaxpr(_nested)(*args).jaxpr)}
+  assert {"jit", "pjit"} & calls, calls
+  _, low = check_with_grads(_nested, args, (P("data"), P(None, "model"), P("model")),
+                            (0, 1, 2))
+  assert "all_gather" not in kinds(low), low.explain()
+
+
+@jax.custom_jvp
+def _double_grad(x):
+  """Identity whose derivative is declared as 2: a result only the custom rule gives."""
+  return x
+
+
+_double_grad.defjvp(lambda primals, tangents: (primals[0], 2.0 * tangents[0]))
+
+
+def _custom_jvp_program(x, w):
+  h = x @ w
+  return jax.nn.relu(h), jax.nn.gelu(h), jax.nn.softplus(h), _double_grad(jnp.sin(h))
+
+
+def test_custom_jvp():
+  args = (rand(8, 16), rand(16, 32, seed=1, scale=0.25))
+  assert "custom_jvp_call" in str(jax.make_jaxpr(_custom_jvp_program)(*args))
+  check_with_grads(_custom_jvp_program, args, (P("data"), P(None, "model")), (0, 1))
+  # the declared derivative is the one used
+  m = mesh(*M24)
+  g = gshard.partition(jax.grad(lambda x: jnp.sum(_double_grad(x))), m,
+                       in_specs=(P("data", "model"),))(rand(8, 16))
+  np.testing.assert_array_equal(np.asarray(g), np.full((8, 16), 2.0, np.float32))
+
+
+@jax.custom_vjp
+def _clipped_scale(x, s):
+  return x * s
+
+
+def _clipped_fwd(x, s):
+  return x * s, (x, s)
+
+
+def _clipped_bwd(res, g):
+  x, s = res
+  return jnp.clip(g * s, -0.05, 0.05), jnp.sum(g * x)
+
+
+_clipped_scale.defvjp(_clipped_fwd, _clipped_bwd)
+
+
+def _custom_vjp_program(x, w, s):
+  return jnp.tanh(_clipped_scale(x @ w, s))
+
+
+def test_custom_vjp():
+  args = (rand(8, 16), rand(16, 32, seed=1, scale=0.25), np.float32(1.5))
+  assert "custom_vjp_call" in str(jax.make_jaxpr(_custom_vjp_program)(*args))
+  check_with_grads(_custom_vjp_program, args, (P("data"), P(None, "model"), None),
+                   (0, 1, 2))
+  # the clipped cotangent is the one used: every entry of dx is bounded by 0.05 * |w|
+  m = mesh(*M24)
+  gx = gshard.partition(jax.grad(lambda x, w, s: jnp.sum(_clipped_scale(x @ w, s) * 100.0)),
+                        m, in_specs=(P("data"), P(None, "model"), None))(*args)
+  bound = 0.05 * np.abs(args[1]).sum(1)
+  assert np.all(np.abs(np.asarray(gx)) <= bound[None, :] + 1e-5)
+
+
+def _remat_program(x, w, policy=None):
+  def block(a):
+    return jnp.sin(a @ w) @ w.T
+
+  block = jax.checkpoint(block, policy=policy)
+  return block(block(x))
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable],
+                         ids=["default", "dots_saveable"])
+def test_checkpoint_is_kept_in_the_per_device_program(policy):
+  fn = lambda x, w: _remat_program(x, w, policy)   # noqa: E731
+  args = (rand(8, 16), rand(16, 32, seed=1, scale=0.25))
+  check_with_grads(fn, args, (P("data"), P(None, "model")), (0, 1))
+  grad = jax.grad(lambda x, w: jnp.sum(fn(x, w)), argnums=(0, 1))
+  m = mesh(*M24)
+  low = gshard.partition(grad, m, in_specs=(P("data"), P(None, "model"))).lower(*args)
+  remats = [e for e in eqns_of(low.per_device_jaxpr())
+            if e.primitive.name in ("checkpoint", "remat2", "remat")]
+  assert remats, low.as_text("jaxpr")
+  assert re.search(r"\b(checkpoint|remat2?)\[", low.as_text("jaxpr"))
+  if policy is not None:
+    assert any(e.params.get("policy") is policy for e in remats)
+  # the rematerialised forward recomputes the sine on local blocks
+  assert any(e.primitive.name == "sin" for r in remats
+             for e in eqns_of(r.params["jaxpr"]))
+
+
+def test_checkpointed_scan_body():
+  """``jax.checkpoint`` inside a scanned layer (the usual MaxText combination)."""
+  def fn(x, ws):
+    @jax.checkpoint
+    def layer(c, w):
+      return jnp.tanh(c @ w) + c, None
+    return lax.scan(layer, x, ws)[0]
+
+  args = (rand(8, 16), rand(4, 16, 16, seed=1, scale=0.25))
+  check_with_grads(fn, args, (P("data"), P(None, None, "model")), (0, 1))
+
+
+def _nested_scan(xs, w):
+  def outer(c, x):
+    def inner(d, v):
+      return jnp.sin(d @ w) + v, None
+    d, _ = lax.scan(inner, c, jnp.stack([x, x * 2.0, -x]))    # stack: a local op
+    return d, d.max()
+  return lax.scan(outer, jnp.zeros((8, 16)), xs)
+
+
+def test_nested_scans():
+  """A scan inside a scan (its xs built with ``jnp.stack``, which partitions
+  locally): both stay loops, nothing takes the safe path."""
+  args = (rand(3, 8, 16), rand(16, 16, seed=1, scale=0.25))
+  _, low = check_with_grads(_nested_scan, args, (P(None, "data", "model"), P("model")),
+                            (0, 1), rtol=2e-5, atol=2e-5)
+  assert low.as_text("jaxpr").count("scan[") == 2
+  assert not low.fallbacks
+
+
+def test_custom_vjp_inside_a_scanned_layer():
+  @jax.custom_vjp
+  def layer(a, w):
+    return jnp.sin(a @ w)
+
+  def fwd(a, w):
+    return layer(a, w), (a, w)
+
+  def bwd(res, g):
+    a, w = res
+    d = jnp.cos(a @ w) * g
+    return d @ w.T, a.T @ d
+
+  layer.defvjp(fwd, bwd)
+
+  def fn(x, w):
+    return lax.scan(lambda c, _: (layer(c, w), None), x, None, length=3)[0]
+
+  args = (rand(8, 16), rand(16, 16, seed=1, scale=0.25))
+  check_with_grads(fn, args, (P("data", "model"), P("model")), (0, 1))

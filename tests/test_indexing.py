@@ -1,0 +1,375 @@
+"""Indexing over split dims: gathers, scatters, dynamic slices.
+
+Values are compared with ``jax.jit`` on one device. Structure is checked twice:
+in gshard's own record (``lowered.collectives()``) and in XLA's optimized HLO
+(``lowered.compile().as_text()``, parsed by ``helpers_partition``):
+
+* an embedding lookup from a vocab-split table never gathers the table (one
+  psum of the looked-up rows), and its gradient (scatter-add) lands in the
+  split table without gathering it;
+* ``take_along_axis`` / one-hot cross-entropy over a split vocabulary;
+* a KV cache split over its sequence dim: ``dynamic_update_slice`` (the write)
+  needs no communication, ``dynamic_slice`` (the read) one psum of the slice;
+  traced positions, including the edges of each block and positions out of
+  range (jax clamps them);
+* general scatters (``x.at[i].set``, ``.max``, ``.mul``) take the safe path
+  with a ``PartitionWarning`` and are still exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from helpers_partition import assert_named_sharding, assert_trees_close, hlo_collectives, mesh
+
+pytestmark = pytest.mark.filterwarnings("error::gshard.PartitionWarning")
+
+M24 = ((2, 4), ("data", "model"))
+DATA, MODEL = 2, 4
+
+
+def rand(*shape, seed=0):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def kinds(low) -> set[str]:
+  return {c.kind for c in low.collectives()}
+
+
+def hlo_of(low):
+  return hlo_collectives(low.compile().as_text(), mesh(*M24))
+
+
+def eqns_of(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from eqns_of(sub)
+
+
+# -- the embedding lookup ---------------------------------------------------------
+
+def embed_args(vocab, d_model=16, seed=0):
+  rng = np.random.default_rng(seed)
+  table = rng.standard_normal((vocab, d_model)).astype(np.float32)
+  tokens = rng.integers(0, vocab, (8, 12)).astype(np.int32)
+  block = -(-vocab // MODEL)
+  tokens[0, :8] = [0, block - 1, block, 2 * block - 1, 2 * block, 3 * block - 1, 3 * block,
+                   vocab - 1]                 # both edges of every block
+  return table, tokens
+
+
+def _lookup(table, tokens):
+  return jnp.tanh(table[tokens])
+
+
+@pytest.mark.parametrize("vocab", [64, 50])
+def test_vocab_split_embedding_never_gathers_the_table(vocab):
+  m = mesh(*M24)
+  table, tokens = embed_args(vocab)
+  step = gshard.partition(_lookup, m, in_specs=(P("model"), P("data")))
+  out = step(table, tokens)
+  np.testing.assert_allclose(np.asarray(out), np.tanh(table[tokens]), rtol=1e-6, atol=1e-6)
+  low = step.lower(table, tokens)
+  # gshard's record: one psum over model of the looked-up rows, nothing else
+  cols = low.collectives()
+  assert [(c.kind, c.axes, c.primitive) for c in cols] == [("psum", ("model",), "gather")]
+  assert cols[0].shape == (8, 12, 16)
+  # the per-device program looks up in its own block of the table
+  (gather,) = [e for e in eqns_of(low.per_device_jaxpr()) if e.primitive.name == "gather"]
+  assert gather.invars[0].aval.shape == (-(-vocab // MODEL), 16)
+  # XLA's program: no all-gather; all-reduces over model of at most the local rows
+  hlo = hlo_of(low)
+  assert hlo and not [c for c in hlo if c.kind == "all-gather"], hlo
+  local_rows = (8 // DATA) * 12 * 16 * 4
+  assert all(c.kind == "all-reduce" and c.axes == ("model",) for c in hlo), hlo
+  assert sum(c.nbytes for c in hlo) == local_rows < table.nbytes
+
+
+@pytest.mark.parametrize("vocab", [64, 50])
+def test_embedding_gradient_scatter_adds_into_the_split_table(vocab):
+  m = mesh(*M24)
+  table, tokens = embed_args(vocab, seed=1)
+  w = rand(8, 12, 16, seed=2)
+  grad = jax.grad(lambda t, k: jnp.sum(_lookup(t, k) * w))
+  step = gshard.partition(grad, m, in_specs=(P("model"), P("data")), out_specs=P("model"))
+  out = step(table, tokens)
+  assert out.shape == table.shape
+  np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(grad)(table, tokens)),
+                             rtol=1e-5, atol=1e-5)
+  low = step.lower(table, tokens)
+  local = (-(-vocab // MODEL), 16)
+  scatters = [e for e in eqns_of(low.per_device_jaxpr()) if e.primitive.name == "scatter-add"]
+  assert scatters and all(e.outvars[0].aval.shape == local for e in scatters)
+  # the only collectives: the lookup's psum and the data-parallel sum of each
+  # device's block of the gradient; the table itself never moves
+  cols = low.collectives()
+  assert "all_gather" not in kinds(low), low.explain()
+  grad_sums = [c for c in cols if c.primitive == "scatter-add"]
+  assert [(c.kind, c.axes) for c in grad_sums] == [("psum", ("data",))]
+  hlo = hlo_of(low)
+  gathers = [c for c in hlo if c.kind == "all-gather"]
+  if vocab % MODEL == 0:
+    assert not gathers, hlo
+  else:
+    # jax arrays hold only even layouts: the 50-row gradient leaves the program
+    # replicated, so the padded table is gathered once, at the output only
+    padded = (local[0] * MODEL, 16)
+    assert all(c.shapes == (("f32", padded),) for c in gathers), hlo
+  table_sums = [(c.axes, s) for c in hlo if c.kind == "all-reduce"
+                for _, s in c.shapes if len(s) == 2]
+  assert table_sums == [(("data",), local)], hlo
+
+
+def test_embedding_sgd_step_keeps_the_table_split():
+  """A whole step (lookup, loss, gradient, update): the updated table comes
+  out vocab-split, no all-gather anywhere."""
+  m = mesh(*M24)
+  table, tokens = embed_args(50, seed=3)
+  w = rand(8, 12, 16, seed=4)
+
+  def step_fn(t, k):
+    loss, g = jax.value_and_grad(lambda t: jnp.mean((_lookup(t, k) - w) ** 2))(t)
+    return t - 0.3 * g, loss
+
+  step = gshard.partition(step_fn, m, in_specs=(P("model"), P("data")),
+                          out_specs=(P("model"), P()))
+  got = want = table
+  for _ in range(3):
+    got, loss = step(got, tokens)
+    want, ref_loss = jax.jit(step_fn)(want, tokens)
+    assert_trees_close((got, loss), (want, ref_loss))
+  assert "all_gather" not in kinds(step.lower(table, tokens))
+
+
+# -- cross-entropy over a split vocabulary --------------------------------------------
+
+def _xent_take(logits, targets):
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def _xent_one_hot(logits, targets):
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.sum(jax.nn.one_hot(targets, logits.shape[-1]) * logp, axis=-1)
+
+
+@pytest.mark.parametrize("fn", [_xent_take, _xent_one_hot], ids=["take_along_axis",
+                                                                  "one_hot"])
+@pytest.mark.parametrize("vocab", [32, 50])
+def test_cross_entropy_over_split_vocab(fn, vocab):
+  m = mesh(*M24)
+  logits = rand(8, 4, vocab, seed=5) * 3.0
+  targets = np.random.default_rng(6).integers(0, vocab, (8, 4)).astype(np.int32)
+  block = -(-vocab // MODEL)
+  targets[0] = [0, block - 1, block, vocab - 1]
+  spec = (P("data", None, "model"), P("data"))
+  step = gshard.partition(fn, m, in_specs=spec)
+  np.testing.assert_allclose(np.asarray(step(logits, targets)),
+                             np.asarray(jax.jit(fn)(logits, targets)), rtol=1e-5, atol=1e-5)
+  low = step.lower(logits, targets)
+  assert "all_gather" not in kinds(low), low.explain()
+  # only [B, T]-sized reductions cross devices: the logits never do
+  assert all(math.prod(c.shape) <= 8 * 4 for c in low.collectives()), low.explain()
+  grad = jax.value_and_grad(lambda lg, t: jnp.sum(fn(lg, t)))
+  gstep = gshard.partition(grad, m, in_specs=spec, out_specs=(P(), P("data", None, "model")))
+  out = gstep(logits, targets)
+  assert_trees_close(out, jax.jit(grad)(logits, targets), rtol=1e-5, atol=1e-5)
+  assert "all_gather" not in kinds(gstep.lower(logits, targets))
+
+
+# -- dynamic_slice / dynamic_update_slice: a KV cache --------------------------------
+
+B, T, H, D = 2, 16, 4, 8
+POSITIONS = [0, 3, 4, 7, 8, 12, 13, 15, 16, 100, -1, -5]   # block edges, out of range
+
+
+def _write(cache, new, pos):
+  return lax.dynamic_update_slice(cache, new, (0, pos, 0, 0))
+
+
+def _read(cache, pos):
+  return lax.dynamic_slice(cache, (0, pos, 0, 0), (B, 3, H, D))
+
+
+def _write_then_read(cache, new, pos):
+  cache = _write(cache, new, pos)
+  return cache, lax.dynamic_slice(cache, (0, pos, 0, 0), (B, 1, H, D))
+
+
+def _run_positions(fn, args, in_specs, out_specs=None, positions=POSITIONS):
+  """One partitioned function, called at every position (traced: one compile)."""
+  m = mesh(*M24)
+  step = gshard.partition(fn, m, in_specs=in_specs + (None,), out_specs=out_specs)
+  ref = jax.jit(fn)
+  for pos in positions:
+    assert_trees_close(step(*args, np.int32(pos)), ref(*args, np.int32(pos)), rtol=0, atol=0,
+                       what=f"pos={pos}")
+  assert len(step._cache) == 1
+  return step.lower(*args, np.int32(0))
+
+
+@pytest.mark.parametrize("seq", [16, 15], ids=["16 over 4", "15 over 4 (uneven)"])
+def test_kv_cache_write_needs_no_communication(seq):
+  cache, new = rand(B, seq, H, D), rand(B, 1, H, D, seed=1)
+  low = _run_positions(_write, (cache, new), (P("data", "model"), P("data")),
+                       out_specs=P("data", "model"))
+  assert low.collectives() == [], low.explain()
+  if seq % MODEL == 0:       # an uneven output is sliced back, outside the per-device program
+    assert hlo_of(low) == []
+  # each device writes into its own block of the cache
+  assert low.per_device_jaxpr().outvars[0].aval.shape == (B // DATA, -(-seq // MODEL), H, D)
+
+
+@pytest.mark.parametrize("seq", [16, 15], ids=["16 over 4", "15 over 4 (uneven)"])
+def test_kv_cache_read_is_one_psum_of_the_slice(seq):
+  cache = rand(B, seq, H, D)
+  low = _run_positions(_read, (cache,), (P("data", "model"),))
+  cols = low.collectives()
+  assert [(c.kind, c.axes, c.primitive) for c in cols] == \
+      [("psum", ("model",), "dynamic_slice")], low.explain()
+  assert cols[0].shape == (B, 3, H, D)
+  hlo = hlo_of(low)
+  assert [(c.kind, c.axes) for c in hlo] == [("all-reduce", ("model",))], hlo
+  assert hlo[0].shapes == (("f32", (B // DATA, 3, H, D)),)     # the local slice only
+
+
+def test_kv_cache_write_then_read():
+  cache, new = rand(B, T, H, D), rand(B, 1, H, D, seed=1)
+  low = _run_positions(_write_then_read, (cache, new), (P("data", "model"), P("data")),
+                       out_specs=(P("data", "model"), P("data")))
+  cols = low.collectives()
+  assert [(c.kind, c.axes, c.primitive) for c in cols] == \
+      [("psum", ("model",), "dynamic_slice")], low.explain()
+  assert cols[0].bytes == 2 * (MODEL - 1) * (B // DATA) * H * D * 4 // MODEL
+
+
+def test_kv_cache_split_on_heads_slices_locally():
+  """The sequence dim unsplit (heads over model): reads and writes are local."""
+  cache, new = rand(B, T, H, D), rand(B, 1, H, D, seed=1)
+  spec = P("data", None, "model")
+  for fn, args, specs in [(_write, (cache, new), (spec, spec)), (_read, (cache,), (spec,))]:
+    low = _run_positions(fn, args, specs)
+    assert low.collectives() == [], low.explain()
+
+
+def test_dynamic_slice_on_two_split_dims():
+  """Sequence over model, heads over data, both sliced at traced positions."""
+  cache = rand(B, T, H, D)
+  upd = rand(B, 3, 2, D, seed=1)
+  m = mesh(*M24)
+  read = lambda c, p, q: lax.dynamic_slice(c, (0, p, q, 0), (B, 3, 2, D))     # noqa: E731
+  write = lambda c, u, p, q: lax.dynamic_update_slice(c, u, (0, p, q, 0))    # noqa: E731
+  spec = P(None, "model", "data")
+  rstep = gshard.partition(read, m, in_specs=(spec, None, None))
+  wstep = gshard.partition(write, m, in_specs=(spec, None, None, None), out_specs=spec)
+  for p, q in [(0, 0), (3, 1), (6, 2), (14, 3), (20, -1)]:
+    p, q = np.int32(p), np.int32(q)
+    assert_trees_close(rstep(cache, p, q), jax.jit(read)(cache, p, q), rtol=0, atol=0)
+    assert_trees_close(wstep(cache, upd, p, q), jax.jit(write)(cache, upd, p, q), rtol=0,
+                       atol=0)
+  p = np.int32(0)
+  assert [(c.kind, c.axes) for c in rstep.lower(cache, p, p).collectives()] == \
+      [("psum", ("data", "model"))]
+  assert wstep.lower(cache, upd, p, p).collectives() == []
+
+
+def test_decode_loop_writes_and_reads_the_cache():
+  """A decode loop: each step writes one position and reads a window ending
+  there, in a ``fori_loop``; the cache stays split, the reads sum slices only."""
+  m = mesh(*M24)
+  steps = rand(6, B, 1, H, D, seed=3)
+
+  def decode(cache, steps, start):
+    def body(i, carry):
+      cache, acc = carry
+      pos = start + i
+      cache = lax.dynamic_update_slice(cache, steps[i], (0, pos, 0, 0))
+      window = lax.dynamic_slice(cache, (0, pos - 2, 0, 0), (B, 3, H, D))
+      return cache, acc + jnp.tanh(window).sum(1)
+    return lax.fori_loop(0, steps.shape[0], body, (cache, jnp.zeros((B, H, D))))
+
+  step = gshard.partition(decode, m, in_specs=(P("data", "model"), P(None, "data"), None),
+                          out_specs=(P("data", "model"), P("data")))
+  cache = rand(B, T, H, D)
+  for start in (0, 2, 11, 14):
+    assert_trees_close(step(cache, steps, np.int32(start)),
+                       jax.jit(decode)(cache, steps, np.int32(start)), rtol=1e-6, atol=1e-6,
+                       what=f"start={start}")
+  low = step.lower(cache, steps, np.int32(0))
+  assert "all_gather" not in kinds(low), low.explain()
+  assert {c.kind for c in low.collectives()} <= {"psum"}
+
+
+# -- general scatters: the safe path ----------------------------------------------------
+
+SCATTERS = [
+    ("scatter", lambda a, i, v: a.at[i].set(v), [0, 5, 15, 4, 9]),           # unique
+    ("scatter-max", lambda a, i, v: a.at[i].max(v), [0, 5, 15, 4, 4]),
+    ("scatter-min", lambda a, i, v: a.at[i].min(v), [3, 3, 12, 7, 0]),
+    ("scatter-mul", lambda a, i, v: a.at[i].mul(v), [1, 14, 14, 8, 2]),
+]
+
+
+@pytest.mark.parametrize("prim,fn,idx", SCATTERS, ids=[s[0] for s in SCATTERS])
+def test_general_scatter_takes_the_safe_path(prim, fn, idx):
+  m = mesh(*M24)
+  x, v = rand(16, 8), rand(5, 8, seed=1)
+  idx = np.asarray(idx, np.int32)
+  assert prim in str(jax.make_jaxpr(fn)(x, idx, v))
+  step = gshard.partition(fn, m, in_specs=(P("model", "data"), None, None),
+                          out_specs=P("model", "data"))
+  with pytest.warns(gshard.PartitionWarning, match=rf"no partition rule for {prim} "):
+    out = step(x, idx, v)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(fn)(x, idx, v)))
+  assert_named_sharding(out, m, P("model", "data"))
+  low = step.lower(x, idx, v)
+  assert [p for p, _ in low.fallbacks] == [prim]
+  gathered = [c for c in low.collectives() if c.primitive == prim]
+  assert gathered and all(c.kind == "all_gather" and c.fallback for c in gathered)
+  assert "full rematerialisation" in low.explain()
+  strict = gshard.partition(fn, m, in_specs=(P("model", "data"), None, None), strict=True)
+  with pytest.raises(NotImplementedError, match=prim):
+    strict(x, idx, v)
+
+
+def test_scatter_add_is_not_the_safe_path():
+  """``.at[].add`` (scatter-add) has a rule: each device adds the rows it
+  holds; out-of-range indices are dropped as in jax."""
+  m = mesh(*M24)
+  x, v = rand(16, 8), rand(6, 8, seed=1)
+  idx = np.asarray([0, 16, -1, 3, 20, 3], np.int32)
+  fn = lambda a, i, u: a.at[i].add(u)   # noqa: E731
+  step = gshard.partition(fn, m, in_specs=(P("model"), None, None), out_specs=P("model"))
+  np.testing.assert_allclose(np.asarray(step(x, idx, v)),
+                             np.asarray(jax.jit(fn)(x, idx, v)), rtol=1e-6, atol=1e-6)
+  low = step.lower(x, idx, v)
+  assert not low.fallbacks and low.collectives() == [], low.explain()
+
+
+@pytest.mark.parametrize("mode,idx", [
+    ("fill", [0, 16, -1, 3, 20, 15]),
+    ("clip", [0, 16, -1, 3, 20, 15]),
+    (None, [0, -16, -1, 3, 15, 4]),          # negative indices wrap
+])
+def test_gather_modes_over_a_split_table(mode, idx):
+  m = mesh(*M24)
+  x = rand(16, 8)
+  idx = np.asarray(idx, np.int32)
+  if mode is None:
+    fn = lambda a, i: a[i]                                          # noqa: E731
+  elif mode == "fill":
+    fn = lambda a, i: a.at[i].get(mode="fill", fill_value=-7.0)     # noqa: E731
+  else:
+    fn = lambda a, i: a.at[i].get(mode="clip")                      # noqa: E731
+  step = gshard.partition(fn, m, in_specs=(P("model"), None))
+  np.testing.assert_array_equal(np.asarray(step(x, idx)), np.asarray(jax.jit(fn)(x, idx)))
+  assert "all_gather" not in kinds(step.lower(x, idx))

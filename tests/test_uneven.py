@@ -1,0 +1,391 @@
+"""Uneven shapes: dims whose size is not a multiple of their mesh axes.
+
+A dim of n split k ways is held as blocks of ceil(n/k); the tail of the last
+block is padding that must never reach a result. Checked here against
+``jax.jit`` on one device:
+
+* a language model's vocabulary of 50 (and GPT-2's 50257) over ``model=4``:
+  embedding lookup, tied logits, ``log_softmax``, ``take_along_axis``
+  cross-entropy, ``argmax``, and the gradients;
+* uneven ``in_specs`` and ``out_specs`` (jax itself only places even
+  shardings), outputs with their logical shapes;
+* max / min / sum / mean / argmin / argmax over an uneven split dim, with
+  data chosen so that a padding 0 would win, and a dot contracting one;
+* hypothesis: random shapes (dims 1..13, mostly uneven), random specs on
+  (2, 4), (4,) and (8,) meshes, random chains of elementwise ops, reductions
+  and dots, forward and ``value_and_grad``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from helpers_partition import assert_named_sharding, assert_trees_close, mesh
+
+pytestmark = pytest.mark.filterwarnings("error::gshard.PartitionWarning")
+
+M24 = ((2, 4), ("data", "model"))
+
+
+def rand(*shape, seed=0, scale=1.0):
+  return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def kinds(low) -> set[str]:
+  return {c.kind for c in low.collectives()}
+
+
+def even_part(spec, shape, sizes) -> P:
+  """The spec jax can place: trailing axes that split a dim unevenly dropped."""
+  out = []
+  for n, e in zip(shape, list(spec) + [None] * (len(shape) - len(spec))):
+    axes = [] if e is None else [e] if isinstance(e, str) else list(e)
+    while axes and n % math.prod(sizes[a] for a in axes):
+      axes.pop()
+    out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return P(*out)
+
+
+# -- a vocabulary that does not divide the model axis -----------------------------
+
+def lm(table, tokens, targets):
+  """Embedding lookup, tied logits, log_softmax, gold log-prob, argmax."""
+  tokens = gshard.split(tokens, 0, "data")
+  x = jnp.tanh(table[tokens])
+  logits = x @ table.T
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  gold = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return -gold.mean(), jnp.argmax(logits, axis=-1), logp
+
+
+def lm_loss(table, tokens, targets):
+  return lm(table, tokens, targets)[0]
+
+
+def lm_batch(vocab, d_model, seed=0):
+  rng = np.random.default_rng(seed)
+  table = rng.standard_normal((vocab, d_model)).astype(np.float32)
+  tokens = rng.integers(0, vocab, (8, 6)).astype(np.int32)
+  targets = rng.integers(0, vocab, (8, 6)).astype(np.int32)
+  block = -(-vocab // 4)
+  edges = [0, block - 1, block, 3 * block - 1, 3 * block, vocab - 1]
+  tokens[0] = edges                 # first / last row of each block, the last row
+  targets[1] = edges
+  targets[2] = edges[::-1]
+  return table, tokens, targets
+
+
+@pytest.mark.parametrize("vocab,d_model", [(50, 16), (50257, 8)])
+def test_uneven_vocabulary_lm_forward(vocab, d_model):
+  m = mesh(*M24)
+  args = lm_batch(vocab, d_model)
+  step = gshard.partition(lm, m, in_specs=(P("model"), P("data"), P("data")),
+                          out_specs=(P(), P("data"), P("data", None, "model")))
+  out = step(*args)
+  ref = jax.jit(lm)(*args)
+  assert_trees_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
+  assert out[2].shape == (8, 6, vocab)                  # the logical shape
+  assert_trees_close(out[2], ref[2], rtol=1e-5, atol=1e-4)
+  assert_named_sharding(out[2], m, P("data"), "logp")   # vocab: only the even part
+  low = step.lower(*args)
+  assert low.in_shardings[0].to_spec() == P("model", None)
+  # the table is never gathered; the logits never either
+  assert "all_gather" not in kinds(low), low.explain()
+  local_vocab = -(-vocab // 4)
+  jaxpr = low.per_device_jaxpr()
+  assert jaxpr.invars[0].aval.shape == (local_vocab, d_model)
+
+
+@pytest.mark.parametrize("vocab,d_model", [(50, 16), (50257, 8)])
+def test_uneven_vocabulary_lm_value_and_grad(vocab, d_model):
+  m = mesh(*M24)
+  args = lm_batch(vocab, d_model, seed=1)
+  fn = jax.value_and_grad(lm_loss)
+  step = gshard.partition(fn, m, in_specs=(P("model"), P("data"), P("data")),
+                          out_specs=(P(), P("model")))
+  out = step(*args)
+  ref = jax.jit(fn)(*args)
+  assert out[1].shape == (vocab, d_model)
+  assert_trees_close(out, ref, rtol=1e-5, atol=1e-5)
+  low = step.lower(*args)
+  assert "all_gather" not in kinds(low), low.explain()
+  # the gradient leaves the program in its vocab-split (padded) layout
+  assert low.out_shardings[1].to_spec() == P("model", None)
+
+
+def test_uneven_vocabulary_sgd_steps():
+  """Several SGD steps on the table: the padding rows stay out of the result."""
+  m = mesh(*M24)
+  table, tokens, targets = lm_batch(50, 16, seed=2)
+
+  def sgd(table, tokens, targets):
+    loss, g = jax.value_and_grad(lm_loss)(table, tokens, targets)
+    return table - 0.5 * g, loss
+
+  step = gshard.partition(sgd, m, in_specs=(P("model"), P("data"), P("data")),
+                          out_specs=(P("model"), P()))
+  ref = jax.jit(sgd)
+  got = want = table
+  for i in range(3):
+    got, loss = step(got, tokens, targets)
+    want, ref_loss = ref(want, tokens, targets)
+    assert got.shape == (50, 16)
+    assert_trees_close((got, loss), (want, ref_loss), rtol=2e-5, atol=2e-5,
+                       what=f"step {i}")
+
+
+# -- uneven in_specs and out_specs -------------------------------------------------
+
+@pytest.mark.parametrize("shape,spec,out_spec", [
+    ((6, 30), P(None, "model"), P(None, "model")),
+    ((6, 30), P(None, "model"), P()),
+    ((7, 30), P("data", "model"), P("model", "data")),
+    ((6, 30), P(), P(None, ("data", "model"))),
+    ((5, 3), P("data", "model"), P(("model", "data"))),
+    ((1, 1), P("data", "model"), P("model", "data")),
+])
+def test_uneven_in_and_out_specs(shape, spec, out_spec):
+  m = mesh(*M24)
+  sizes = {"data": 2, "model": 4}
+  x = rand(*shape)
+  fn = lambda a: jnp.sin(a) * 2.0 + 1.0   # noqa: E731
+  step = gshard.partition(fn, m, in_specs=(spec,), out_specs=out_spec)
+  out = step(x)
+  assert out.shape == shape and out.dtype == np.float32
+  np.testing.assert_allclose(np.asarray(out), np.sin(x) * 2 + 1, rtol=1e-6, atol=1e-6)
+  assert_named_sharding(out, m, even_part(out_spec, shape, sizes), "output")
+  low = step.lower(x)
+  # inside the program the value is split as asked: ceil(n / k) per device
+  assert low.in_shardings[0].to_spec() == P(*(list(spec) + [None] * (2 - len(spec))))
+  local = low.per_device_jaxpr().invars[0].aval.shape
+  for n, e, got in zip(shape, list(spec) + [None, None], local):
+    k = 1 if e is None else math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e))
+    assert got == -(-n // k), (shape, spec, local)
+
+
+def test_uneven_output_of_a_reduction_keeps_its_split():
+  """max over dim 0 of f32[6, 30] split (_, model): the result f32[30] stays
+  split over model inside (pmax-free: the reduced dim is not split)."""
+  m = mesh(*M24)
+  x = -np.abs(rand(6, 30)) - 1.0
+  step = gshard.partition(lambda a: jnp.max(a, 0), m, in_specs=(P(None, "model"),),
+                          out_specs=P("model"))
+  out = step(x)
+  assert out.shape == (30,)
+  np.testing.assert_array_equal(np.asarray(out), x.max(0))
+  assert step.lower(x).collectives() == []
+
+
+# -- reductions and contractions over an uneven split dim ----------------------------
+
+REDUCTIONS = [
+    ("max", lambda a: jnp.max(a, 1), "neg"),
+    ("min", lambda a: jnp.min(a, 1), "pos"),
+    ("sum", lambda a: jnp.sum(a, 1), "any"),
+    ("mean", lambda a: jnp.mean(a, 1), "any"),
+    ("argmax", lambda a: jnp.argmax(a, 1), "neg"),
+    ("argmin", lambda a: jnp.argmin(a, 1), "pos"),
+    ("argmax all padding-like", lambda a: jnp.argmax(a, 1), "zeros-neg"),
+    # no cross-device product collective: reduce_prod gathers its dim (still exact)
+    ("prod (gathered)", lambda a: jnp.prod(a, 1), "pos"),
+    ("max of all", jnp.max, "neg"),
+    ("min of all", jnp.min, "pos"),
+    ("logsumexp", lambda a: jax.nn.logsumexp(a, axis=1), "neg"),
+    ("any", lambda a: jnp.any(a > 5.0, 1), "pos"),
+    ("all", lambda a: jnp.all(a < 0.0, 1), "neg"),
+]
+
+
+def _reduction_input(kind):
+  x = rand(6, 30, seed=3)
+  if kind == "neg":          # every entry < 0: a padding 0 would be the max
+    return -np.abs(x) - 0.5
+  if kind == "pos":          # every entry > 0: a padding 0 would be the min
+    return np.abs(x) + 0.5
+  if kind == "zeros-neg":    # ties at the max, some in the last (padded) block
+    y = -np.abs(x) - 0.5
+    y[:, [2, 27, 29]] = -0.25
+    return y
+  return x
+
+
+@pytest.mark.parametrize("name,fn,kind", REDUCTIONS, ids=[r[0] for r in REDUCTIONS])
+@pytest.mark.parametrize("spec", [P(None, "model"), P("data", "model"),
+                                  P(None, ("data", "model"))],
+                         ids=["30 over 4", "30 over 4, rows over 2", "30 over 8"])
+def test_reduction_over_an_uneven_split_dim(name, fn, kind, spec):
+  m = mesh(*M24)
+  x = _reduction_input(kind)
+  step = gshard.partition(fn, m, in_specs=(spec,))
+  out = step(x)
+  want = jax.jit(fn)(x)
+  assert out.shape == want.shape and out.dtype == want.dtype
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+  low = step.lower(x)
+  if "gathered" not in name:
+    assert "all_gather" not in kinds(low), low.explain()     # reduced where it lies
+
+
+def test_dot_contracting_an_uneven_split_dim():
+  """f32[6,30] @ f32[30,13], both split on the 30 over model: local dots on
+  8-row blocks (padding zero on both sides), one psum; grads too."""
+  m = mesh(*M24)
+  a, b = rand(6, 30), rand(30, 13, seed=1)
+  fn = lambda a, b: a @ b   # noqa: E731
+  step = gshard.partition(fn, m, in_specs=(P(None, "model"), P("model")))
+  np.testing.assert_allclose(np.asarray(step(a, b)), a @ b, rtol=1e-5, atol=1e-5)
+  low = step.lower(a, b)
+  assert [(c.kind, c.axes) for c in low.collectives()] == [("psum", ("model",))]
+  grad = jax.value_and_grad(lambda a, b: jnp.sum(jnp.tanh(a @ b)), argnums=(0, 1))
+  gstep = gshard.partition(grad, m, in_specs=(P(None, "model"), P("model")),
+                           out_specs=(P(), (P(None, "model"), P("model"))))
+  out = gstep(a, b)
+  assert [g.shape for g in out[1]] == [(6, 30), (30, 13)]
+  assert_trees_close(out, jax.jit(grad)(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_padding_never_leaks_into_a_nonlinear_chain():
+  """exp of the padding is 1, not 0: a sum after exp must still mask it."""
+  m = mesh(*M24)
+  x = rand(6, 30)
+  fn = lambda a: (jnp.sum(jnp.exp(a), 1), jnp.max(jnp.cos(a) - 2.0, 1),   # noqa: E731
+                  jnp.exp(a) @ jnp.ones((30,), jnp.float32))
+  step = gshard.partition(fn, m, in_specs=(P(None, "model"),))
+  assert_trees_close(step(x), jax.jit(fn)(x), rtol=1e-5, atol=1e-5)
+
+
+# -- hypothesis: random uneven programs ---------------------------------------------
+
+MESHES = [((2, 4), ("a", "b")), ((4,), ("a",)), ((8,), ("a",))]
+UNARY = {"sin": jnp.sin, "tanh": jnp.tanh, "exp": lambda x: jnp.exp(0.5 * x),
+         "relu": jax.nn.relu, "affine": lambda x: 1.5 * x - 0.25}
+BINARY = {"add": jnp.add, "mul": jnp.multiply, "max": jnp.maximum, "sub": jnp.subtract}
+REDUCE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "mean": jnp.mean,
+          "argmax": lambda x, axis: jnp.argmax(x, axis).astype(jnp.float32),
+          "argmin": lambda x, axis: jnp.argmin(x, axis).astype(jnp.float32),
+          "logsumexp": jax.nn.logsumexp}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  """x0 -> op -> op -> ...; ops read the running value and maybe a new input."""
+
+  inputs: tuple[tuple[int, ...], ...]
+  ops: tuple[tuple, ...]
+
+  def __call__(self, *xs):
+    y = xs[0]
+    for op in self.ops:
+      kind, *a = op
+      if kind == "unary":
+        y = UNARY[a[0]](y)
+      elif kind == "binary":
+        y = BINARY[a[0]](y, xs[a[1]])
+      elif kind == "reduce":
+        y = REDUCE[a[0]](y, axis=a[1])
+      elif kind == "dot":                    # [..., k] @ [k, n]
+        y = y @ xs[a[0]]
+      elif kind == "softmax":
+        y = jax.nn.softmax(y, axis=a[0])
+      elif kind == "shard":
+        y = gshard.shard(y, P(*a[0]))
+    return y
+
+
+@st.composite
+def any_spec(draw, shape, sizes):
+  """Each mesh axis at most once; any dim, divisible or not."""
+  free = list(draw(st.permutations(list(sizes))))
+  out = []
+  for _ in shape:
+    axes = [a for a in list(free) if draw(st.integers(0, 1))]
+    for a in axes:
+      free.remove(a)
+    out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return tuple(out)
+
+
+@st.composite
+def chains(draw):
+  shape, names = draw(st.sampled_from(MESHES))
+  sizes = dict(zip(names, shape))
+  dim = st.integers(1, 13)
+  cur = tuple(draw(dim) for _ in range(draw(st.integers(1, 3))))
+  inputs = [cur]
+  ops = []
+  for _ in range(draw(st.integers(1, 5))):
+    kind = draw(st.sampled_from(["unary", "binary", "reduce", "dot", "softmax", "shard"]))
+    if kind == "unary":
+      ops.append(("unary", draw(st.sampled_from(sorted(UNARY)))))
+    elif kind == "binary":
+      inputs.append(cur)
+      ops.append(("binary", draw(st.sampled_from(sorted(BINARY))), len(inputs) - 1))
+    elif kind == "reduce" and len(cur) >= 1:
+      ax = draw(st.integers(0, len(cur) - 1))
+      ops.append(("reduce", draw(st.sampled_from(sorted(REDUCE))), ax))
+      cur = cur[:ax] + cur[ax + 1:]
+    elif kind == "dot" and len(cur) >= 1:
+      n = draw(dim)
+      inputs.append((cur[-1], n))
+      ops.append(("dot", len(inputs) - 1))
+      cur = cur[:-1] + (n,)
+    elif kind == "softmax" and len(cur) >= 1:
+      ops.append(("softmax", draw(st.integers(0, len(cur) - 1))))
+    elif kind == "shard":
+      ops.append(("shard", draw(any_spec(cur, sizes))))
+  chain = Chain(tuple(inputs), tuple(ops))
+  in_specs = tuple(P(*draw(any_spec(s, sizes))) if draw(st.integers(0, 3)) else None
+                   for s in inputs)
+  rng = np.random.default_rng(draw(st.integers(0, 2 ** 31 - 1)))
+  xs = [rng.standard_normal(s).astype(np.float32) for s in inputs]
+  return mesh(shape, names), chain, xs, in_specs
+
+
+def _tol(ref):
+  scale = max([1.0] + [float(np.max(np.abs(np.asarray(r)))) for r in jax.tree.leaves(ref)
+                       if np.size(r)])
+  return dict(rtol=5e-5, atol=5e-5 * scale)
+
+
+HYP = settings(max_examples=max(1, settings().max_examples // 2),
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@HYP
+@given(chains())
+def test_random_uneven_chain_forward(case):
+  m, chain, xs, in_specs = case
+  out = gshard.partition(chain, m, in_specs=in_specs)(*xs)
+  ref = jax.jit(chain)(*xs)
+  assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **_tol(ref))
+
+
+@HYP
+@given(chains())
+def test_random_uneven_chain_value_and_grad(case):
+  m, chain, xs, in_specs = case
+
+  def loss(*args):
+    y = chain(*args)
+    return jnp.sum(y * np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape))
+
+  fn = jax.value_and_grad(loss, argnums=tuple(range(len(xs))))
+  out = gshard.partition(fn, m, in_specs=in_specs)(*xs)
+  ref = jax.jit(fn)(*xs)
+  for k, (g, r) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref))):
+    assert g.shape == r.shape, (k, g.shape, r.shape)
+  tol = _tol(ref)
+  for k, (g, r) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref))):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), err_msg=f"leaf {k}", **tol)
