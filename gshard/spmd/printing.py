@@ -103,6 +103,3 @@ def format_jaxpr(jaxpr, sharding_of: ShardingOf, *, scope: tuple = (),
   lines.append(f"{pad}  in ({outs}) }}")
   return "\n".join(lines)
 
-
-def format_aval(shape, dtype) -> str:
-  return f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]"
