@@ -3,8 +3,8 @@
 ``collectives(compiled.as_text(), num_devices)`` lists every all-reduce,
 all-gather, reduce-scatter, all-to-all and collective-permute (tuple-merged
 forms and async ``-start`` forms included; ``-done`` halves are skipped) with
-its group size and the bytes one device sends under the ring formulas of
-REFERENCES.md:
+its group size and the bytes one device sends under the ring formulas (a ring
+collective of S bytes over n devices):
 
   all-reduce 2(n-1)/n*S    all-gather (n-1)/n*S_out    reduce-scatter (n-1)/n*S_in
   all-to-all (n-1)/n*S     collective-permute S

@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gshard  # noqa: E402
+from gshard.spmd.inspect import format_bytes  # noqa: E402
 from benchmarks import hlo  # noqa: E402
 from examples import models as M  # noqa: E402
 
@@ -251,11 +252,7 @@ def max_abs_diff(a, b) -> float:
 # -- reporting -------------------------------------------------------------------
 
 def fmt_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(n) < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  return f"{n}"
+  return format_bytes(n, digits=2)
 
 
 def gshard_overhead(r: Result) -> float:
@@ -372,8 +369,8 @@ def write_doc(path: str, rows, runs: int, load: tuple[float, float]) -> None:
          "`jax.lax.with_sharding_constraint`) and the same `in_specs`; outputs are "
          "left to each system (`out_specs=None`).",
          "- Bytes: collective bytes one device sends, parsed from each compiled "
-         "program's optimized HLO (`compiled.as_text()`) with the ring formulas of "
-         "REFERENCES.md (all-reduce 2(n-1)/n·S, all-gather (n-1)/n·S_out, "
+         "program's optimized HLO (`compiled.as_text()`) with the ring formulas "
+         "(bytes one device sends: all-reduce 2(n-1)/n·S, all-gather (n-1)/n·S_out, "
          "reduce-scatter (n-1)/n·S_in, all-to-all (n-1)/n·S, collective-permute S); "
          "tuple-merged collectives counted per operand.",
          "- Memory: per device, temp + argument + output bytes of "
@@ -419,7 +416,10 @@ def write_doc(path: str, rows, runs: int, load: tuple[float, float]) -> None:
     frag = os.path.join(os.path.dirname(path), name)
     if os.path.exists(frag):
       with open(frag) as f:
-        out += [f"## {title}", "", f.read().strip(), ""]
+        body = f.read().strip().splitlines()
+      if body and body[0].startswith("# "):      # the fragment's own title
+        body = body[1:]
+      out += [f"## {title}", ""] + body + [""]
   out += ["## Analysis", "", NOTES.strip(), ""]
   with open(path, "w") as f:
     f.write("\n".join(out))

@@ -54,12 +54,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gshard  # noqa: E402
+from examples import models  # noqa: E402
 from gshard.moe import moe_apply, moe_init  # noqa: E402
 
 AUX_LOSS_WEIGHT = 1e-2      # weight of the MoE load-balancing loss in the training loss
@@ -204,15 +204,6 @@ def train_step(graphdef, state, tokens, targets, dropout_seed):
   return nnx.state((model, optimizer)), loss
 
 
-def synthetic_batch(key, batch: int, seq: int, vocab: int):
-  """Sequences that count up by a per-sequence stride: learnable from context."""
-  k1, k2 = jax.random.split(key)
-  start = jax.random.randint(k1, (batch, 1), 0, vocab)
-  stride = jax.random.randint(k2, (batch, 1), 1, 4)
-  seqs = (start + stride * jnp.arange(seq + 1)[None, :]) % vocab
-  return seqs[:, :-1].astype(jnp.int32), seqs[:, 1:].astype(jnp.int32)
-
-
 def partitioned_step(graphdef, mesh):
   """The train step partitioned over ``mesh``: the batch in_specs only."""
   return gshard.partition(functools.partial(train_step, graphdef), mesh,
@@ -231,7 +222,7 @@ def train(steps: int = 30, batch: int = 16, seq: int = 32, vocab: int = 128,
   t0 = time.perf_counter()
   for i in range(steps):
     key, sub = jax.random.split(key)
-    tokens, targets = synthetic_batch(sub, batch, seq, vocab)
+    tokens, targets = models.synthetic_batch(sub, batch, seq, vocab)
     state, loss = step(state, tokens, targets, i)
     losses.append(float(loss))
     if verbose and (i % log_every == 0 or i == steps - 1):
@@ -255,7 +246,7 @@ def main():
         f"({jax.device_count()} simulated CPU devices)")
   losses, step, state = train(num_experts=num_experts)
   print(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-  tokens, targets = synthetic_batch(jax.random.PRNGKey(0), 16, 32, 128)
+  tokens, targets = models.synthetic_batch(jax.random.PRNGKey(0), 16, 32, 128)
   print()
   print(gshard.coverage(step.fn, state, tokens, targets, 0,
                         mesh=step.mesh, in_specs=step.in_specs))

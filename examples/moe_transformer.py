@@ -35,6 +35,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gshard  # noqa: E402
+from examples import models  # noqa: E402
 from gshard.moe import moe_apply, moe_init, moe_specs  # noqa: E402
 
 
@@ -151,15 +152,6 @@ def make_step(optimizer, **kw):
   return step
 
 
-def synthetic_batch(key, batch: int, seq: int, vocab: int):
-  """Sequences that count up by a per-sequence stride: learnable from context."""
-  k1, k2 = jax.random.split(key)
-  start = jax.random.randint(k1, (batch, 1), 0, vocab)
-  stride = jax.random.randint(k2, (batch, 1), 1, 4)
-  seqs = (start + stride * jnp.arange(seq + 1)[None, :]) % vocab
-  return seqs[:, :-1].astype(jnp.int32), seqs[:, 1:].astype(jnp.int32)
-
-
 # -- training -------------------------------------------------------------------
 
 def train(mesh_shape=(8,), steps: int = 30, batch: int = 16, seq: int = 32,
@@ -180,7 +172,7 @@ def train(mesh_shape=(8,), steps: int = 30, batch: int = 16, seq: int = 32,
   t_compiled = None
   for i in range(steps):
     key, data_key, route_key = jax.random.split(key, 3)
-    tokens, targets = synthetic_batch(data_key, batch, seq, vocab)
+    tokens, targets = models.synthetic_batch(data_key, batch, seq, vocab)
     params, opt_state, loss, (ce, aux, metrics) = step(params, opt_state, tokens, targets,
                                                        route_key)
     losses.append(float(loss))

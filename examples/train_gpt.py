@@ -21,21 +21,11 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gshard  # noqa: E402
 from examples import models  # noqa: E402
-
-
-def synthetic_batch(key, batch: int, seq: int, vocab: int):
-  """Sequences that count up by a per-sequence stride: learnable from context."""
-  k1, k2 = jax.random.split(key)
-  start = jax.random.randint(k1, (batch, 1), 0, vocab)
-  stride = jax.random.randint(k2, (batch, 1), 1, 4)
-  seqs = (start + stride * jnp.arange(seq + 1)[None, :]) % vocab
-  return seqs[:, :-1].astype(jnp.int32), seqs[:, 1:].astype(jnp.int32)
 
 
 def make_step(optimizer):
@@ -62,7 +52,7 @@ def train(steps: int = 40, batch: int = 16, seq: int = 32, vocab: int = 128,
   t0 = time.perf_counter()
   for i in range(steps):
     key, sub = jax.random.split(key)
-    tokens, targets = synthetic_batch(sub, batch, seq, vocab)
+    tokens, targets = models.synthetic_batch(sub, batch, seq, vocab)
     params, opt_state, loss = step(params, opt_state, tokens, targets)
     losses.append(float(loss))
     if verbose and (i % log_every == 0 or i == steps - 1):

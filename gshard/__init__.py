@@ -16,7 +16,8 @@ from gshard.annotate import replicate, shard, split
 from gshard.coverage import Coverage, coverage
 from gshard.gspmd import gspmd_jit
 from gshard.spmd.infer import ShardingResult, infer_shardings
-from gshard.spmd.partition import Collective, PartitionWarning, Partitioned, partition
+from gshard.spmd.partition.api import Partitioned, partition
+from gshard.spmd.partition.context import Collective, PartitionWarning
 from gshard.spmd.sharding import TensorSharding
 
 __all__ = ["Collective", "Coverage", "PartitionWarning", "Partitioned", "ShardingResult",

@@ -24,13 +24,13 @@ from collections.abc import Callable
 
 import jax
 
-from gshard.spmd.partition import PartitionWarning, partition
-from gshard.spmd.partition.rules import generic_rule, partition_rule_for, safe_rule
-from gshard.spmd.propagate import source_of, sub_jaxprs
-from gshard.spmd.rules import sharding_rules
+from gshard.spmd import registry
+from gshard.spmd.graph import source_of, sub_jaxprs
+from gshard.spmd.partition.api import partition
+from gshard.spmd.partition.context import PartitionWarning
 from gshard.spmd.sharding import mesh_sizes_of, mesh_str
 
-GENERIC, SPECIFIC, SAFE = "generic", "specific", "safe path"
+GENERIC, SPECIFIC, SAFE = registry.GENERIC, "specific", registry.SAFE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +86,7 @@ class Coverage:
 
   @property
   def num_equations(self) -> int:
+    """Equations of the program, nested jaxprs included."""
     return sum(p.count for p in self.primitives)
 
   @property
@@ -129,14 +130,14 @@ def _equations(jaxpr, outer_source: str = ""):
       yield from _equations(inner, src)
 
 
-def _classify(eqn) -> tuple[str, str]:
-  rule = partition_rule_for(eqn)
-  if rule is generic_rule:
-    return GENERIC, "generic_rule"
-  if rule is safe_rule:
+def classify(name: str) -> tuple[str, str]:
+  """(partition kind, rule name) of a primitive, read from the registry."""
+  entry = registry.entry(name)
+  if entry is None or entry.kind == SAFE:
     return SAFE, "safe_rule"
-  name = getattr(rule, "__name__", type(rule).__name__)
-  return SPECIFIC, "call_rule" if name == "<lambda>" else name
+  if entry.kind == GENERIC:
+    return GENERIC, "generic_rule"
+  return SPECIFIC, entry.rule_name
 
 
 def coverage(fn: Callable, *args, mesh=None, in_specs=None) -> Coverage:
@@ -165,27 +166,26 @@ def coverage(fn: Callable, *args, mesh=None, in_specs=None) -> Coverage:
     closed = jax.make_jaxpr(fn)(*args)
     fallbacks = None
   else:
-    entry = partition(fn, mesh, in_specs=in_specs)._entry(args)
+    prog = partition(fn, mesh, in_specs=in_specs).program(*args)
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", PartitionWarning)
-      jax.make_jaxpr(entry.shard_fn)(*entry.flat_avals)   # runs the partition rules
-    closed = entry.result.jaxpr
-    fallbacks = tuple(entry.recorder.fallbacks)
+      jax.make_jaxpr(prog.shard_fn)(*prog.flat_avals)   # runs the partition rules
+    closed = prog.result.jaxpr
+    fallbacks = tuple(prog.recorder.fallbacks)
   counts: collections.Counter = collections.Counter()
   sources: dict[str, dict[str, None]] = collections.defaultdict(dict)
-  first = {}
   for eqn, src in _equations(closed.jaxpr):
     name = eqn.primitive.name
     counts[name] += 1
     sources[name].setdefault(src, None)
-    first.setdefault(name, eqn)
   fell: dict[str, list[str]] = collections.defaultdict(list)
   for name, src in fallbacks or ():
     fell[name].append(src)
   rows = []
   for name, n in counts.items():
-    partition_kind, rule = _classify(first[name])
-    rows.append(PrimitiveCoverage(name, n, name in sharding_rules, partition_kind, rule,
+    partition_kind, rule = classify(name)
+    rows.append(PrimitiveCoverage(name, n, registry.sharding_rule(name) is not None,
+                                  partition_kind, rule,
                                   tuple(sources[name]), tuple(fell.get(name, ()))))
   rows.sort(key=lambda r: (not r.safe, -r.count, r.primitive))
   where = mesh_str(mesh_sizes_of(mesh)) if mesh is not None else None

@@ -27,7 +27,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gshard.annotate import _api
+from gshard.annotate import as_sharding_constraints
 
 
 def _to_shardings(mesh, specs):
@@ -56,12 +56,8 @@ def gspmd_jit(fn: Callable, mesh, in_specs=None, out_specs=None):
 
   @functools.wraps(fn)
   def constrained(*args):
-    token = _api._gspmd_mesh.set(mesh)
-    try:
-      with _api.mesh_context(mesh):
-        return fn(*args)
-    finally:
-      _api._gspmd_mesh.reset(token)
+    with as_sharding_constraints(mesh):
+      return fn(*args)
 
   kwargs = {}
   if in_specs is not None:

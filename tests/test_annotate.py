@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import gshard
 from gshard import TensorSharding
 from gshard.annotate import Annotation, annotate_p
-from gshard.spmd.propagate import sub_jaxprs
+from gshard.spmd.graph import sub_jaxprs
 
 MESH = AbstractMesh((2, 4), ("data", "model"))
 X = jnp.arange(32.0).reshape(4, 8)

@@ -26,7 +26,7 @@ pytest.importorskip("flax")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gshard  # noqa: E402
-from examples import flax_nnx  # noqa: E402
+from examples import flax_nnx, models  # noqa: E402
 from gshard.moe import expert_capacity  # noqa: E402
 from helpers_partition import assert_trees_close, mesh  # noqa: E402
 
@@ -45,7 +45,7 @@ def setup():
 
 
 def _batch(i):
-  return flax_nnx.synthetic_batch(jax.random.PRNGKey(i), BATCH, SEQ, MODEL["vocab"])
+  return models.synthetic_batch(jax.random.PRNGKey(i), BATCH, SEQ, MODEL["vocab"])
 
 
 def test_train_steps_equal_one_device(setup):

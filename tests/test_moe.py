@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard
+from examples import models as M
 from examples import moe_transformer as MT
 from gshard.moe import expert_capacity, moe_apply, moe_init, moe_specs
 from helpers_partition import assert_trees_close, hlo_collectives, mesh
@@ -135,7 +136,7 @@ def _transformer(shape, names):
   optimizer = optax.sgd(0.1)
   step = MT.make_step(optimizer, model_axis=model_axis)
   specs = (MT.specs(params, "expert", model_axis), None, P("expert"), P("expert"), P())
-  tokens, targets = MT.synthetic_batch(jax.random.PRNGKey(1), 8, 8, SMALL["vocab"])
+  tokens, targets = M.synthetic_batch(jax.random.PRNGKey(1), 8, 8, SMALL["vocab"])
   args = (params, optimizer.init(params), tokens, targets, jax.random.PRNGKey(2))
   return step, specs, args
 

@@ -22,7 +22,9 @@ import gshard
 from examples import models
 from gshard import TensorSharding
 from gshard.annotate import annotate_p
-from gshard.spmd.propagate import _result_partial, sub_jaxprs
+from gshard.spmd.graph import sub_jaxprs
+from gshard.spmd.partials import produced
+from gshard.spmd.propagate import step
 
 MESH_SHAPE, MESH_NAMES = (2, 4), ("data", "model")
 B, D, H = 16, 64, 256          # batch, d_model, d_hidden: distinct sizes
@@ -46,7 +48,7 @@ def eqn_table(res):
 def produced_partial(res, eqn) -> frozenset:
   """The axes over which ``eqn`` computes a partial sum (resolved or not)."""
   (bound,) = [b for b in res.graph.bounds if b.eqn is eqn]
-  return _result_partial(bound, res.mesh_sizes)
+  return produced(bound, res.mesh_sizes)
 
 
 def leaves_with_paths(tree):
@@ -549,10 +551,9 @@ def test_while_and_cond(mesh):
 
 def test_fixed_point_reached(mlp, gpt):
   """After propagation no constraint can refine any sharding further."""
-  from gshard.spmd.propagate import _step
   for res in (mlp, gpt[0]):
     for bound in res.graph.bounds:
-      assert not _step(bound, res.mesh_sizes), (bound.eqn.primitive, str(bound.rule))
+      assert not step(bound, res.mesh_sizes), (bound.eqn.primitive, str(bound.rule))
 
 
 def test_sweeps_are_few(mlp, gpt):

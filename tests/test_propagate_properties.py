@@ -27,6 +27,8 @@ import gshard
 from gshard import TensorSharding
 from gshard.annotate import annotate_p
 from gshard.spmd import propagate as engine
+from gshard.spmd.graph import sub_jaxprs
+from gshard.spmd.partials import accepts
 from gshard.spmd.sharding import is_refinement
 
 DIMS = (1, 2, 3, 4, 6, 8)
@@ -226,7 +228,7 @@ def _annotations(jaxpr, scope=()):
   for idx, e in enumerate(jaxpr.eqns):
     if e.primitive is annotate_p:
       out.append((scope, e.outvars[0], e.params["annotation"]))
-    for path, sub in engine.sub_jaxprs(e.params):
+    for path, sub in sub_jaxprs(e.params):
       out += _annotations(sub, scope + ((idx, path),))
   return out
 
@@ -239,7 +241,7 @@ def _snapshot(res):
 @contextlib.contextmanager
 def monotone():
   """Check every update of a sharding refines the previous one (never in a fixed dim)."""
-  refine = engine._refine
+  refine = engine.refine
 
   def checked(t, new_dims, mesh):
     before = t.sharding
@@ -251,11 +253,11 @@ def monotone():
                            if before.dims[i] != after.dims[i]}), "a fixed dim changed"
     return changed
 
-  engine._refine = checked
+  engine.refine = checked
   try:
     yield
   finally:
-    engine._refine = refine
+    engine.refine = refine
 
 
 def check(fn, mesh, prog: Program):
@@ -287,7 +289,7 @@ def check(fn, mesh, prog: Program):
   for b in res.graph.bounds:
     for t in b.operands:
       if t is not None and t.sharding.partial:
-        assert engine._accepts(b, t), (b.eqn.primitive, t.describe())
+        assert accepts(b, t), (b.eqn.primitive, t.describe())
 
   # annotations are never overridden: the annotated dims are exactly as written
   for scope, var, ann in _annotations(res.jaxpr.jaxpr):
@@ -310,7 +312,7 @@ def check(fn, mesh, prog: Program):
 
   # a true fixed point: no constraint can refine anything further
   for bound in again.graph.bounds:
-    assert not engine._step(bound, sizes), (bound.eqn.primitive, str(bound.rule))
+    assert not engine.step(bound, sizes), (bound.eqn.primitive, str(bound.rule))
   return res
 
 

@@ -20,8 +20,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import gshard
-from gshard.spmd.partition.random import _mul_wide, flat_counters
-from gshard.spmd.rules import sharding_rules
+from gshard.spmd.partition.random import flat_counters, mul_wide
+from gshard.spmd.registry import sharding_rule
 from helpers_partition import assert_trees_close, mesh
 
 S = jax.ShapeDtypeStruct
@@ -46,7 +46,7 @@ def assert_bit_equal(got, want):
 def test_mul_wide_matches_uint64():
   x = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64)
   for c in (0, 1, 6, 2 ** 16, 0xFFFF0001, 2 ** 32 - 1):
-    hi, lo = _mul_wide(jnp.asarray(x.astype(np.uint32)), c)
+    hi, lo = mul_wide(jnp.asarray(x.astype(np.uint32)), c)
     got = (np.asarray(hi).astype(object) << 32) + np.asarray(lo).astype(object)
     assert (got == x.astype(object) * c).all(), c
 
@@ -79,12 +79,12 @@ def _rule(fn, args, prim):
           if e.primitive.name == prim]
   assert eqns, prim
   e = eqns[0]
-  return str(sharding_rules[prim]([v.aval for v in e.invars], [v.aval for v in e.outvars],
+  return str(sharding_rule(prim)([v.aval for v in e.invars], [v.aval for v in e.outvars],
                                   **e.params))
 
 
 def _all_eqns(jaxpr):
-  from gshard.spmd.propagate import sub_jaxprs
+  from gshard.spmd.graph import sub_jaxprs
   for e in jaxpr.eqns:
     yield e
     for _, j in sub_jaxprs(e.params):

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from gshard.spmd.reshard import (ReshardPlan, Step, apply_plan, plan_reshard, ppermute_pairs,
-                                 reshard)
+from gshard.spmd.collectives import apply_plan
+from gshard.spmd.reshard import ReshardPlan, Step, plan_reshard, ppermute_pairs
 from gshard.spmd.sharding import TensorSharding
 
 SIZES_2x4 = {"data": 2, "model": 4}
@@ -120,7 +120,8 @@ def runner(names, shape, src, dst, global_shape, reverse_sizes=False):
   spec = P(names)
 
   def body(x_):
-    return reshard(x_[0], src, dst, global_shape, sizes)[None]
+    plan = plan_reshard(src, dst, global_shape, x_.dtype, sizes)
+    return apply_plan(x_[0], plan, global_shape, sizes)[None]
 
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
                                check_vma=False))

@@ -14,8 +14,9 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import gshard
-from gshard.spmd.rules import (IN, OUT, SUB_IN, SUB_OUT, FactorRule, OpRule, factor_rule,
-                               sharding_rules)
+from gshard.spmd import registry
+from gshard.spmd.registry import sharding_rule
+from gshard.spmd.rules import IN, OUT, SUB_IN, SUB_OUT, FactorRule, OpRule, factor_rule
 
 S = jax.ShapeDtypeStruct
 f32, i32, b1 = jnp.float32, jnp.int32, jnp.bool_
@@ -31,7 +32,7 @@ def eqns_of(fn, args, prim):
 
 def rule_of(fn, args, prim, index=-1):
   e = eqns_of(fn, args, prim)[index]
-  return sharding_rules[prim]([v.aval for v in e.invars], [v.aval for v in e.outvars],
+  return sharding_rule(prim)([v.aval for v in e.invars], [v.aval for v in e.outvars],
                               **e.params)
 
 
@@ -215,7 +216,7 @@ def test_take_along_axis_rules():
   (jit,) = eqns_of(fn, args, "jit")
   inner = jit.params["jaxpr"].jaxpr
   (g,) = [e for e in inner.eqns if e.primitive.name == "gather"]
-  rule = sharding_rules["gather"]([v.aval for v in g.invars], [v.aval for v in g.outvars],
+  rule = sharding_rule("gather")([v.aval for v in g.invars], [v.aval for v in g.outvars],
                                   **g.params)
   # operand f32[8,16,128] indexed on its last dim by i32[8,16,1,1] (batch dims 0, 1
   # shared with the indices): the vocabulary dim is a sum factor, the index vector
@@ -227,7 +228,7 @@ def test_take_along_axis_rules():
 
 def test_elementwise_operand_rank_mismatch_is_an_error():
   with pytest.raises(ValueError, match="elementwise operand of rank 1 with result rank 2"):
-    sharding_rules["add"]([S((16,), f32), S((8, 16), f32)], [S((8, 16), f32)])
+    sharding_rule("add")([S((16,), f32), S((8, 16), f32)], [S((8, 16), f32)])
 
 
 def test_factor_rule_builder():
@@ -298,7 +299,7 @@ def test_custom_vjp_call_rule():
 def test_checkpoint_rule():
   eqns = jax.make_jaxpr(jax.checkpoint(jnp.sin))(S((8, 16), f32)).jaxpr.eqns
   (e,) = eqns
-  rule = sharding_rules[e.primitive.name]([v.aval for v in e.invars],
+  rule = sharding_rule(e.primitive.name)([v.aval for v in e.invars],
                                           [v.aval for v in e.outvars], **e.params)
   assert summary(rule) == [
       ("ab->ab linear=unary", (IN(0),), (SUB_IN(("jaxpr",), 0),)),
@@ -357,7 +358,7 @@ def test_cond_rule():
 def test_annotation_rule_pins_its_result():
   e = eqns_of(lambda x: gshard.shard(x, P("data", P.UNCONSTRAINED)), [S((8, 16), f32)],
               "sharding_annotation")[0]
-  rule = sharding_rules["sharding_annotation"]([v.aval for v in e.invars],
+  rule = sharding_rule("sharding_annotation")([v.aval for v in e.invars],
                                                [v.aval for v in e.outvars], **e.params)
   assert summary(rule) == [("ab->ab", (IN(0),), (OUT(0),))]
   (pin,) = rule.pins
@@ -369,8 +370,8 @@ def test_annotation_rule_pins_its_result():
 def test_every_registered_rule_is_callable():
   # The table is keyed by primitive name and holds plain callables.
   assert {"add", "dot_general", "reshape", "gather", "scatter-add", "jit", "scan",
-          "custom_jvp_call", "custom_vjp_call", "sharding_annotation"} <= set(sharding_rules)
-  assert all(callable(r) for r in sharding_rules.values())
+          "custom_jvp_call", "custom_vjp_call", "sharding_annotation"} <= set(registry.table)
+  assert all(callable(e.sharding) for e in registry.table.values())
 
 
 # -- propagation through one rule: input specs -> result sharding -------------

@@ -21,8 +21,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gshard
-from gshard.spmd.partition.windowed import Halo, halo_plan
-from gshard.spmd.rules import sharding_rules
+from gshard.spmd.partition.halo import Halo, halo_plan
+from gshard.spmd.registry import sharding_rule
 from helpers_partition import hlo_collectives, mesh
 
 NHWC = ("NHWC", "HWIO", "NHWC")
@@ -86,7 +86,7 @@ def test_halo_plan_examples():
 
 def _rule(f, *args):
   eqn = jax.make_jaxpr(f)(*args).eqns[-1]
-  return str(sharding_rules[eqn.primitive.name](
+  return str(sharding_rule(eqn.primitive.name)(
       [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars], **eqn.params))
 
 

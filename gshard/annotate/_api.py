@@ -10,21 +10,22 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate._primitive import Annotation, annotate_p
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str,
-                                  open_dims_of_spec)
+                                  open_dims_of_spec, short_dtype)
 
 _current_mesh: contextvars.ContextVar[Mapping[str, int] | None] = (
     contextvars.ContextVar("gshard_mesh", default=None))
 
-# GSPMD baseline hook (used only by gshard.gspmd.gspmd_jit): while set to a jax
-# Mesh, the annotations become jax.lax.with_sharding_constraint on that mesh
-# instead of binding annotate_p, so XLA's own partitioner sees the same intent.
-# Validation is unchanged; P.UNCONSTRAINED dims stay unconstrained.
+# While set to a jax Mesh (by ``as_sharding_constraints``), the annotations
+# become jax.lax.with_sharding_constraint on that mesh instead of binding
+# annotate_p, so XLA's own partitioner sees the same intent.
 _gspmd_mesh: contextvars.ContextVar = contextvars.ContextVar("gshard_gspmd_mesh",
                                                              default=None)
 
@@ -33,8 +34,6 @@ def _bind(x, annotation: Annotation, spec: P):
   mesh = _gspmd_mesh.get()
   if mesh is None:
     return annotate_p.bind(x, annotation=annotation)
-  import jax
-  from jax.sharding import NamedSharding
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -48,11 +47,26 @@ def mesh_context(mesh) -> Iterator[None]:
     _current_mesh.reset(token)
 
 
+@contextlib.contextmanager
+def as_sharding_constraints(mesh) -> Iterator[None]:
+  """While tracing inside, annotations are ``jax.lax.with_sharding_constraint``
+  on ``mesh`` (a concrete ``Mesh``): XLA's GSPMD partitions them.
+
+  Validation is unchanged; ``P.UNCONSTRAINED`` dims stay unconstrained. This
+  is how ``gshard.gspmd_jit`` runs the same annotations through XLA.
+  """
+  token = _gspmd_mesh.set(mesh)
+  try:
+    with mesh_context(mesh):
+      yield
+  finally:
+    _gspmd_mesh.reset(token)
+
+
 def _describe(x) -> str:
   dtype = getattr(x, "dtype", None)
   shape = tuple(getattr(x, "shape", ()))
-  from gshard.spmd.sharding import _short_dtype
-  return f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]"
+  return f"{short_dtype(dtype)}[{','.join(map(str, shape))}]"
 
 
 def _as_array(x):

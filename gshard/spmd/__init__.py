@@ -1,5 +1,11 @@
 """SPMD: the sharding algebra, sharding rules, propagation and partitioning.
 
-Import submodules directly (``gshard.spmd.sharding``, ``gshard.spmd.infer``);
-the public names are re-exported by ``gshard``.
+Importing this package registers every primitive family in
+:mod:`gshard.spmd.registry` (each ``spmd/rules/X.py`` states a primitive's
+sharding rule and its partition rule, from ``spmd/partition/X.py``). Import
+submodules directly (``gshard.spmd.sharding``, ``gshard.spmd.infer``); the
+public names are re-exported by ``gshard``.
 """
+
+from gshard.spmd.rules import (annotation, control, conv, dot, elementwise,  # noqa: F401
+                               indexing, random, reduce, shape)  # (registers them)

@@ -1,18 +1,27 @@
-"""``infer_shardings``: trace a function and give every variable a sharding."""
+"""Trace and propagate: the one step ``infer_shardings``, ``partition`` and
+``coverage`` share, and ``infer_shardings`` itself.
+
+:func:`analyze` traces a function with ``jax.make_jaxpr`` (annotations check
+their mesh axes while it runs), pins ``in_specs`` (and ``out_specs``) on the
+program's inputs (and outputs), and propagates: a :class:`ShardingResult`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import source_info_util
+import numpy as np
+from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import mesh_context
 from gshard.spmd.printing import format_jaxpr
-from gshard.spmd.propagate import Conflict, Graph, propagate, source_of
+from gshard.spmd.graph import Graph, source_of
+from gshard.spmd.propagate import Conflict, propagate
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str,
                                   open_dims_of_spec)
 
@@ -24,29 +33,32 @@ def _is_spec_leaf(x) -> bool:
   return x is None or isinstance(x, P)
 
 
-def flatten_specs(specs, args: Sequence[Any], what: str = "in_specs"):
-  """Broadcast a pytree prefix of PartitionSpecs (or None) to the leaves of args.
+def flatten_specs(specs, tree, what: str = "in_specs"):
+  """Broadcast a pytree prefix of PartitionSpecs (or None) to the leaves of ``tree``.
 
-  Returns ``(leaves, paths, specs)`` as flat lists.
+  For ``in_specs`` the tree is the tuple of positional arguments (a list
+  prefix counts as a tuple; a single non-tuple prefix is the one argument's).
+  Returns ``(leaves, paths, specs)`` as flat lists; a prefix that does not
+  fit is a ValueError naming ``what``.
   """
-  leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(tuple(args))
+  leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
   paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
   leaves = [x for _, x in leaves_with_paths]
   if specs is None or isinstance(specs, P):
-    flat = [specs] * len(leaves)
-  else:
-    if isinstance(specs, list):
-      specs = tuple(specs)
-    if not isinstance(specs, tuple):
-      specs = (specs,)
-    try:
-      from jax._src.tree_util import broadcast_prefix
-      flat = broadcast_prefix(specs, tuple(args), is_leaf=_is_spec_leaf)
-    except ValueError as e:
-      raise ValueError(
-          f"{what} must be a pytree prefix of the arguments (a tuple with one "
-          f"entry per positional argument, PartitionSpecs or None at the leaves): "
-          f"{e}") from None
+    return leaves, paths, [specs] * len(leaves)
+  if isinstance(specs, list) and isinstance(tree, tuple):
+    specs = tuple(specs)
+  if what == "in_specs" and not isinstance(specs, tuple):
+    specs = (specs,)
+  try:
+    full = jax.tree.broadcast(specs, tree, is_leaf=_is_spec_leaf)
+    flat = jax.tree.structure(tree).flatten_up_to(full)
+  except ValueError as e:
+    whose = "arguments (a tuple with one entry per positional argument" \
+        if what == "in_specs" else "outputs (the structure fn returns"
+    raise ValueError(
+        f"{what} must be a pytree prefix of the {whose}, PartitionSpecs or None at "
+        f"the leaves): {e}") from None
   return leaves, paths, flat
 
 
@@ -95,6 +107,8 @@ class ShardingResult:
   conflicts: list[Conflict]
   unsupported: list[tuple[str, str]]
   sweeps: int
+  out_shape: Any = None
+  timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def sharding(self, var, scope: tuple = ()) -> TensorSharding:
     """The sharding of ``var`` (in the nested scope ``scope``; top level by default)."""
@@ -110,10 +124,12 @@ class ShardingResult:
 
   @property
   def in_shardings(self) -> list[TensorSharding]:
+    """The sharding of each flat input of the program."""
     return [self.sharding(v) for v in self.jaxpr.jaxpr.invars]
 
   @property
   def out_shardings(self) -> list[TensorSharding]:
+    """The sharding of each flat output of the program."""
     return [self.sharding(v) for v in self.jaxpr.jaxpr.outvars]
 
   def pretty(self, source: bool = True) -> str:
@@ -131,6 +147,49 @@ class ShardingResult:
       text += "\n\nno sharding rule (outputs left replicated):\n" + "\n".join(
           f"  {p} at {s}" for p, s in self.unsupported)
     return text
+
+
+def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
+            out_specs=None) -> ShardingResult:
+  """Trace ``fn(*args)``, pin ``in_specs``/``out_specs``, propagate.
+
+  Args:
+    fn: the function.
+    mesh_sizes: mesh axis name -> size.
+    args: its positional arguments (arrays or ``ShapeDtypeStruct``s).
+    in_specs: a pytree prefix of ``args``; None entries are left to propagation.
+    out_specs: a pytree prefix of the outputs, or None. An output that is also
+      an input keeps the input's pin.
+
+  Returns:
+    A :class:`ShardingResult`; ``timings`` has ``trace`` and ``propagate`` seconds.
+  """
+  timings = {}
+  t0 = time.perf_counter()
+  leaves, paths, specs = flatten_specs(in_specs, tuple(args))
+  with mesh_context(mesh_sizes):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  timings["trace"] = time.perf_counter() - t0
+  t1 = time.perf_counter()
+  jaxpr = closed.jaxpr
+  graph = Graph(jaxpr, mesh_sizes)
+  for var, leaf, path, spec in zip(jaxpr.invars, leaves, paths, specs):
+    if spec is not None:
+      where = f"in_specs{path}"
+      sharding, open_dims = spec_to_pin(spec, np.shape(leaf), mesh_sizes, where)
+      graph.pin(graph.tensor((), var), sharding, open_dims, where)
+  if out_specs is not None:
+    out_leaves, out_paths, flat = flatten_specs(out_specs, out_shape, "out_specs")
+    for var, leaf, path, spec in zip(jaxpr.outvars, out_leaves, out_paths, flat):
+      t = graph.tensor((), var)
+      if spec is not None and t is not None and not t.fixed:
+        where = f"out_specs{path}"
+        sharding, open_dims = spec_to_pin(spec, leaf.shape, mesh_sizes, where)
+        graph.pin(t, sharding, open_dims, where)
+  sweeps, conflicts = propagate(graph)
+  timings["propagate"] = time.perf_counter() - t1
+  return ShardingResult(closed, dict(mesh_sizes), graph, conflicts, graph.unsupported,
+                        sweeps, out_shape, timings)
 
 
 def infer_shardings(fn: Callable, mesh, in_specs=None) -> Callable[..., ShardingResult]:
@@ -152,19 +211,4 @@ def infer_shardings(fn: Callable, mesh, in_specs=None) -> Callable[..., Sharding
     print(res)
   """
   mesh_sizes = mesh_sizes_of(mesh)
-
-  def run(*args) -> ShardingResult:
-    leaves, paths, specs = flatten_specs(in_specs, args)
-    with mesh_context(mesh_sizes):
-      closed = jax.make_jaxpr(fn)(*args)
-    graph = Graph(closed.jaxpr, mesh_sizes)
-    for var, leaf, path, spec in zip(closed.jaxpr.invars, leaves, paths, specs):
-      if spec is None:
-        continue
-      where = f"in_specs{path}"
-      sharding, open_dims = spec_to_pin(spec, leaf.shape, mesh_sizes, where)
-      graph.pin(graph.tensor((), var), sharding, open_dims, where)
-    sweeps, conflicts = propagate(graph)
-    return ShardingResult(closed, mesh_sizes, graph, conflicts, graph.unsupported, sweeps)
-
-  return run
+  return lambda *args: analyze(fn, mesh_sizes, args, in_specs)

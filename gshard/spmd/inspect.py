@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 
-
 import jax
 
 from gshard.spmd.partition.context import Collective
@@ -20,9 +19,9 @@ from gshard.spmd.sharding import TensorSharding, mesh_str
 class Lowered:
   """A partitioned program lowered for one input signature."""
 
-  def __init__(self, partitioned, entry, lowered, structs):
+  def __init__(self, partitioned, program, lowered, structs):
     self._p = partitioned
-    self._entry = entry
+    self._program = program
     self._lowered = lowered
     self._structs = structs
 
@@ -38,68 +37,72 @@ class Lowered:
   def per_device_jaxpr(self):
     """The body of the shard_map: the program each device runs (a Jaxpr)."""
     # the shard_map sees uneven arguments padded to a multiple of their shards
-    entry, sizes = self._entry, self._p.mesh_sizes
+    prog, sizes = self._program, self._p.mesh_sizes
     structs = [jax.ShapeDtypeStruct(s.padded_shape(a.shape, sizes), a.dtype)
-               for a, s in zip(entry.flat_avals, entry.in_shardings)]
-    closed = jax.make_jaxpr(entry.shard_fn)(*structs)
+               for a, s in zip(prog.flat_avals, prog.in_shardings)]
+    closed = jax.make_jaxpr(prog.shard_fn)(*structs)
     for eqn in closed.jaxpr.eqns:
       if eqn.primitive.name == "shard_map":
         return eqn.params["jaxpr"]
     return closed.jaxpr
 
   def compile(self):
+    """XLA-compile the lowered program (``.as_text()``, ``memory_analysis()``, ``cost_analysis()``)."""
     return self._lowered.compile()
 
   # -- shardings -------------------------------------------------------------
   @property
   def propagation(self):
     """The :class:`ShardingResult` of the global program."""
-    return self._entry.result
+    return self._program.result
 
   def shardings(self) -> dict[tuple, TensorSharding]:
     """(scope, var) -> sharding, every variable of the global program."""
-    return self._entry.result.shardings
+    return self._program.result.shardings
 
   @property
   def in_shardings(self) -> list[TensorSharding]:
-    return list(self._entry.in_shardings)
+    """The layout of each flat input inside the partitioned program."""
+    return list(self._program.in_shardings)
 
   @property
   def out_shardings(self) -> list[TensorSharding]:
-    return list(self._entry.out_shardings)
+    """The layout of each flat output inside the partitioned program."""
+    return list(self._program.out_shardings)
 
   # -- communication -----------------------------------------------------------
   def collectives(self) -> list[Collective]:
     """Every collective of the per-device program, with its cause."""
-    return list(self._entry.recorder.collectives)
+    return list(self._program.recorder.collectives)
 
   @property
   def fallbacks(self) -> list[tuple[str, str]]:
     """(primitive, source line) of each equation that took the safe path."""
-    return list(self._entry.recorder.fallbacks)
+    return list(self._program.recorder.fallbacks)
 
   def total_bytes(self) -> int:
+    """Bytes one device sends over all collectives of the program."""
     return sum(c.bytes for c in self.collectives())
 
   @property
   def timings(self) -> dict[str, float]:
     """Seconds spent in trace / propagate / partition set-up / lower."""
-    return dict(self._entry.timings)
+    return dict(self._program.timings)
 
   def explain(self, top: int = 20) -> str:
     """A report a user can act on: largest communication first, with causes."""
     cols = self.collectives()
-    res = self._entry.result
+    res = self._program.result
     lines = [f"gshard partition report: mesh {mesh_str(res.mesh_sizes)}, "
              f"{len(res.graph.tensors)} values, {len(cols)} collectives, "
-             f"{_fmt_bytes(self.total_bytes())} sent per device"]
+             f"{format_bytes(self.total_bytes())} sent per device"]
     by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for c in cols:
       by_kind[c.kind][0] += 1
       by_kind[c.kind][1] += c.bytes
     if by_kind:
       lines.append("  by kind: " + ", ".join(
-          f"{k} x{n} ({_fmt_bytes(b)})" for k, (n, b) in sorted(by_kind.items())))
+          f"{k} x{n} ({format_bytes(b)})" for k, (n, b) in sorted(by_kind.items())))
     lines.append("")
     lines.append("largest communication first:")
     groups: dict[tuple, list[Collective]] = collections.defaultdict(list)
@@ -110,7 +113,7 @@ class Lowered:
       c = g[0]
       total = sum(x.bytes for x in g)
       times = f" x{len(g)}" if len(g) > 1 else ""
-      lines.append(f"  {_fmt_bytes(total):>10}  {c.kind}[{','.join(c.axes)}]{times}  "
+      lines.append(f"  {format_bytes(total):>10}  {c.kind}[{','.join(c.axes)}]{times}  "
                    f"{c.src.format(c.shape, c.dtype)} -> {c.dst.format(c.shape, c.dtype)}")
       lines.append(f"              {c.primitive} {c.role} at {c.source}")
       hint = _hint(c)
@@ -143,10 +146,11 @@ def _hint(c: Collective) -> str:
   return ""
 
 
-def _fmt_bytes(n: int) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(n) < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def format_bytes(n: float, digits: int = 1) -> str:
+  """``format_bytes(1536) == '1.5 KiB'``; below 1 KiB whole bytes (``'7 B'``)."""
+  for unit in ("B", "KiB", "MiB"):
+    if abs(n) < 1024:
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
     n /= 1024
-  return f"{n} B"
+  return f"{n:.{digits}f} GiB"
 

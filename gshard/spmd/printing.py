@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
-from gshard.spmd.sharding import TensorSharding, _short_dtype
+from gshard.spmd.graph import sub_jaxprs
+from gshard.spmd.sharding import TensorSharding
 
 ShardingOf = Callable[[tuple, Any], "TensorSharding | None"]
 
@@ -82,7 +83,6 @@ def format_jaxpr(jaxpr, sharding_of: ShardingOf, *, scope: tuple = (),
                  namer: Namer | None = None, indent: int = 0,
                  source_of: Callable[[Any], str] | None = None) -> str:
   """The jaxpr as text, every variable typed with its sharding."""
-  from gshard.spmd.propagate import sub_jaxprs
   namer = namer or Namer()
   pad = "  " * indent
   lines = []

@@ -4,8 +4,7 @@
 :class:`ReshardPlan`: the local slices, pads and collectives (``all_gather``,
 ``all_to_all``, ``psum``, ``psum_scatter``, ``ppermute``) that turn a value laid
 out as ``src`` into the same value laid out as ``dst``, each with the bytes one
-device sends. ``apply_plan`` runs a plan inside ``jax.shard_map``; ``reshard``
-does both.
+device sends. ``spmd/collectives.py`` runs a plan inside ``jax.shard_map``.
 
 How a plan is chosen. A layout in the middle of a plan is a state: the axes of
 each dim, the pending partial-sum axes, and the padded global length of each
@@ -60,9 +59,7 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
-import jax
 import numpy as np
-from jax import lax
 
 from gshard.spmd.sharding import Axes, MeshSizes, TensorSharding, validate
 
@@ -102,6 +99,7 @@ class Step:
 
   @property
   def is_collective(self) -> bool:
+    """Whether the step sends anything (not a local slice or pad)."""
     return self.kind in COLLECTIVE_KINDS
 
   def __str__(self) -> str:
@@ -135,6 +133,7 @@ class ReshardPlan:
 
   @property
   def collectives(self) -> tuple[Step, ...]:
+    """The steps that communicate."""
     return tuple(s for s in self.steps if s.is_collective)
 
   @property
@@ -241,12 +240,20 @@ class _Problem:
   resolvable: frozenset[str]     # pending in src, not in dst: psum them
 
 
-def _count(axes: Axes, sizes: MeshSizes) -> int:
+# -- ring formulas: bytes one device sends ---------------------------------------
+
+def allreduce_bytes(nbytes: float, n: int) -> float:
+  """A ring all-reduce of ``nbytes`` over ``n`` devices sends 2(n-1)/n of them."""
+  return 2 * (n - 1) * nbytes / n
+
+
+def shard_count(axes: Axes, sizes: MeshSizes) -> int:
+  """How many blocks ``axes`` cut a dim into: the product of their sizes."""
   return math.prod(sizes[a] for a in axes)
 
 
 def _local_len(st: _State, dim: int, prob: _Problem) -> int:
-  return st.padded[dim] // _count(st.dims[dim], prob.sizes)
+  return st.padded[dim] // shard_count(st.dims[dim], prob.sizes)
 
 
 def _local_bytes(st: _State, prob: _Problem) -> int:
@@ -338,9 +345,9 @@ def _reduce_moves(st, prob):
         yield Step("psum_scatter", (a,), dim, (n - 1) * size // n), nxt
   for k in range(1, len(todo) + 1):
     for group in itertools.combinations(todo, k):
-      n = _count(group, prob.sizes)
+      n = shard_count(group, prob.sizes)
       rest = tuple(p for p in st.pending if p not in group)
-      yield (Step("psum", group, None, 2 * (n - 1) * size // n),
+      yield (Step("psum", group, None, int(allreduce_bytes(size, n))),
              dataclasses.replace(st, pending=rest))
 
 
@@ -353,7 +360,7 @@ def _all_to_all_moves(st, prob):
   for i, axes in enumerate(st.dims):
     for k in range(1, len(axes) + 1):
       group = axes[-k:]
-      n = _count(group, prob.sizes)
+      n = shard_count(group, prob.sizes)
       for j, want in enumerate(prob.goal.dims):
         if (j != i and set(group) <= set(want)
             and _local_len(st, j, prob) % n == 0):
@@ -390,7 +397,7 @@ def _ppermute_moves(st, prob):
 def _ppermute_targets(st, prob) -> Iterator[tuple[Axes, ...]]:
   goal = prob.goal.dims
   reorder = tuple(_reorder_like(have, want) for have, want in zip(st.dims, goal))
-  same = [_count(h, prob.sizes) == _count(w, prob.sizes)
+  same = [shard_count(h, prob.sizes) == shard_count(w, prob.sizes)
           for h, w in zip(st.dims, goal)]
   yield reorder
   yield tuple(w if s else h for h, w, s in zip(st.dims, goal, same))
@@ -434,7 +441,7 @@ def ppermute_pairs(old: Sequence[Axes], new: Sequence[Axes], axes: Axes,
   coords = list(itertools.product(*(range(sizes[a]) for a in axes)))
   pos = {a: i for i, a in enumerate(axes)}
   block = lambda dims, c: tuple(
-      _linear([c[pos[a]] for a in d], [sizes[a] for a in d]) for d in dims)
+      linear_index([c[pos[a]] for a in d], [sizes[a] for a in d]) for d in dims)
   holders: dict[tuple, list[int]] = {}
   for i, c in enumerate(coords):
     holders.setdefault(block(old, c), []).append(i)
@@ -450,7 +457,8 @@ def ppermute_pairs(old: Sequence[Axes], new: Sequence[Axes], axes: Axes,
   return tuple(pairs)
 
 
-def _linear(index: Sequence[int], sizes: Sequence[int]) -> int:
+def linear_index(index: Sequence[int], sizes: Sequence[int]) -> int:
+  """Row-major linear index of ``index`` in a grid of ``sizes``: ``linear_index((1, 2), (2, 4)) == 6``."""
   out = 0
   for i, n in zip(index, sizes):
     out = out * n + i
@@ -484,118 +492,3 @@ def _is_full_remat(states: list[_State]) -> bool:
   if len(states) < 3 or not split(states[0]) or not split(states[-1]):
     return False
   return any(not split(st) for st in states[1:-1])
-
-
-# -- execution ----------------------------------------------------------------
-
-def reshard(x_local, src: TensorSharding, dst: TensorSharding,
-            global_shape: Sequence[int], mesh_sizes: MeshSizes):
-  """Inside ``jax.shard_map``: ``x_local`` laid out as ``src`` -> as ``dst``.
-
-  Example (mesh ``data=2, model=4``, ``x`` is ``f32[8,16]``)::
-
-    y_ = reshard(x_, TensorSharding((("model",), ())),
-                 TensorSharding(((), ("model",))), (8, 16), sizes)
-    # x_ is f32[2,16], y_ is f32[8,4]: one all_to_all over model.
-  """
-  plan = plan_reshard(src, dst, global_shape, x_local.dtype, mesh_sizes)
-  return apply_plan(x_local, plan, global_shape, mesh_sizes)
-
-
-def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
-               mesh_sizes: MeshSizes):
-  """Run ``plan`` on this device's block; call inside ``jax.shard_map``.
-
-  Args:
-    x_local: ``plan.src.local_shape(global_shape, mesh_sizes)``.
-  Returns:
-    this device's block under ``plan.dst``, of
-    ``plan.dst.local_shape(global_shape, mesh_sizes)``.
-  """
-  want = plan.src.local_shape(global_shape, mesh_sizes)
-  if tuple(x_local.shape) != want:
-    raise ValueError(
-        f"apply_plan: the local block has shape {tuple(x_local.shape)} but "
-        f"source sharding {plan.src} of global shape {tuple(global_shape)} on "
-        f"mesh {dict(mesh_sizes)} gives local shape {want}.")
-  order = _mesh_axis_order(mesh_sizes)
-  for step in plan.steps:
-    x_local = _APPLY[step.kind](x_local, step, global_shape, mesh_sizes, order)
-  assert tuple(x_local.shape) == plan.dst.local_shape(global_shape, mesh_sizes)
-  return x_local
-
-
-def _mesh_axis_order(mesh_sizes: MeshSizes) -> Axes:
-  """The axis order of the enclosing mesh (ppermute numbers devices by it)."""
-  names = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
-  return names if names else tuple(mesh_sizes)
-
-
-def _axis_name(axes: Axes):
-  return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _linear_axis_index(axes: Axes, sizes: MeshSizes):
-  """This device's block index over ``axes``, major first: i1*|a2| + i2."""
-  index = 0
-  for a in axes:
-    index = index * sizes[a] + lax.axis_index(a)
-  return index
-
-
-def _apply_slice(x, step, global_shape, sizes, order):
-  n = _count(step.axes, sizes)
-  size = x.shape[step.dim] // n
-  start = _linear_axis_index(step.axes, sizes) * size
-  return lax.dynamic_slice_in_dim(x, start, size, axis=step.dim)
-
-
-def _apply_pad(x, step, global_shape, sizes, order):
-  """Keep the logical part of an unsplit dim, zero-pad it to ``step.length``."""
-  logical = min(global_shape[step.dim], x.shape[step.dim])
-  x = lax.slice_in_dim(x, 0, logical, axis=step.dim)
-  config = [(0, 0, 0)] * x.ndim
-  config[step.dim] = (0, step.length - logical, 0)
-  return lax.pad(x, np.zeros((), x.dtype), config)
-
-
-def _apply_all_gather(x, step, global_shape, sizes, order):
-  return lax.all_gather(x, _axis_name(step.axes), axis=step.dim, tiled=True)
-
-
-def _apply_all_to_all(x, step, global_shape, sizes, order):
-  return lax.all_to_all(x, _axis_name(step.axes), split_axis=step.dst_dim,
-                        concat_axis=step.src_dim, tiled=True)
-
-
-def _apply_psum(x, step, global_shape, sizes, order):
-  return lax.psum(x, _axis_name(step.axes))
-
-
-def _apply_psum_scatter(x, step, global_shape, sizes, order):
-  return lax.psum_scatter(x, _axis_name(step.axes), scatter_dimension=step.dim,
-                          tiled=True)
-
-
-def _apply_ppermute(x, step, global_shape, sizes, order):
-  """jax numbers a multi-axis ppermute's devices in mesh order, whatever the
-  order of ``axis_name``: renumber the plan's pairs to it."""
-  axes = tuple(sorted(step.axes, key=order.index))
-  renumber = _renumbering(step.axes, axes, sizes)
-  perm = [(renumber[s], renumber[d]) for s, d in step.perm]
-  return lax.ppermute(x, _axis_name(axes), perm)
-
-
-def _renumbering(old: Axes, new: Axes, sizes: MeshSizes) -> list[int]:
-  """Linear index over ``old`` -> linear index over ``new`` (same axes)."""
-  out = []
-  for c in itertools.product(*(range(sizes[a]) for a in old)):
-    at = dict(zip(old, c))
-    out.append(_linear([at[a] for a in new], [sizes[a] for a in new]))
-  return out
-
-
-_APPLY = {"slice": _apply_slice, "pad": _apply_pad,
-          "all_gather": _apply_all_gather, "all_to_all": _apply_all_to_all,
-          "psum": _apply_psum, "psum_scatter": _apply_psum_scatter,
-          "ppermute": _apply_ppermute}

@@ -84,6 +84,7 @@ class TensorSharding:
   # -- queries ----------------------------------------------------------------
   @property
   def rank(self) -> int:
+    """Number of dims."""
     return len(self.dims)
 
   @property
@@ -93,6 +94,7 @@ class TensorSharding:
 
   @property
   def is_replicated(self) -> bool:
+    """No dim split and nothing pending."""
     return not self.axes and not self.partial
 
   def to_spec(self) -> P:
@@ -100,6 +102,7 @@ class TensorSharding:
     return P(*[_axes_entry(d) for d in self.dims])
 
   def num_shards(self, dim: int, mesh_sizes: MeshSizes) -> int:
+    """How many blocks dim ``dim`` is cut into."""
     return math.prod(mesh_sizes[a] for a in self.dims[dim])
 
   def local_shape(self, global_shape: Sequence[int],
@@ -120,6 +123,7 @@ class TensorSharding:
     return tuple(l * self.num_shards(i, mesh_sizes) for i, l in enumerate(local))
 
   def is_even(self, global_shape: Sequence[int], mesh_sizes: MeshSizes) -> bool:
+    """Whether every split dim divides evenly (no padding)."""
     return tuple(global_shape) == self.padded_shape(global_shape, mesh_sizes)
 
   def format(self, shape: Sequence[int], dtype: str | np.dtype | None = None) -> str:
@@ -128,7 +132,7 @@ class TensorSharding:
     parts = []
     for n, axes in zip(shape, self.dims):
       parts.append(f"{n}@{'*'.join(axes)}" if axes else f"{n}")
-    s = f"{_short_dtype(dtype)}[{','.join(parts)}]"
+    s = f"{short_dtype(dtype)}[{','.join(parts)}]"
     if self.partial:
       s += "+" + "+".join(sorted(self.partial))
     return s
@@ -147,9 +151,11 @@ class TensorSharding:
 
   # -- transforms -------------------------------------------------------------
   def with_partial(self, axes: Iterable[str]) -> TensorSharding:
+    """The same dims, pending over ``axes``."""
     return TensorSharding(self.dims, frozenset(axes))
 
   def without_partial(self) -> TensorSharding:
+    """The same dims, nothing pending."""
     return TensorSharding(self.dims)
 
   def transpose(self, permutation: Sequence[int]) -> TensorSharding:
@@ -184,7 +190,8 @@ _DTYPE_SHORT = {"float32": "f32", "float64": "f64", "float16": "f16",
                 "bool": "bool", "complex64": "c64", "key<fry>": "key<fry>"}
 
 
-def _short_dtype(dtype) -> str:
+def short_dtype(dtype) -> str:
+  """``short_dtype(np.float32) == 'f32'``; jax key dtypes print as themselves."""
   if dtype is None:
     return ""
   if isinstance(dtype, str):
@@ -256,6 +263,24 @@ def validate(sharding: TensorSharding, shape: Sequence[int], mesh_sizes: MeshSiz
       raise ValueError(
           f"{what}: mesh axis {a!r} is not in the mesh {mesh_desc}. "
           f"Use one of {list(mesh_sizes)}.")
+
+
+def fit_axes(axes: Sequence[str], n: int, mesh_sizes: MeshSizes, *,
+             exact: bool = True) -> Axes:
+  """The longest prefix of ``axes`` that splits a dim of ``n`` elements.
+
+  ``exact``: the number of shards must divide ``n`` (an even split);
+  otherwise it must only not exceed ``n`` (an uneven split, padded).
+  ``fit_axes(("data", "model"), 6, {"data": 2, "model": 4}) == ("data",)``;
+  with ``exact=False`` and ``n=5`` it is ``("data",)`` too (8 shards > 5).
+  """
+  keep = list(axes)
+  while keep:
+    k = math.prod(mesh_sizes[a] for a in keep)
+    if (n % k == 0) if exact else (k <= n):
+      break
+    keep.pop()
+  return tuple(keep)
 
 
 def mesh_str(mesh_sizes: MeshSizes) -> str:

@@ -1,4 +1,10 @@
-"""``gshard.partition``: trace, propagate, partition, run under shard_map + jit."""
+"""``gshard.partition``: trace, propagate, partition, run under shard_map + jit.
+
+Building the program for one input signature is a few named steps
+(:meth:`Partitioned._build`): analyze (trace + pin + propagate, shared with
+``infer_shardings`` and ``coverage``), the boundary layouts, the per-device
+body, the uneven-boundary wrapper, and ``jax.jit``.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +15,33 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from gshard.annotate import mesh_context
-from gshard.spmd.infer import ShardingResult, flatten_specs, spec_to_pin
+from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
+from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
-from gshard.spmd.propagate import Graph, propagate
 from gshard.spmd.sharding import TensorSharding, mesh_sizes_of
 
 
 @dataclasses.dataclass
-class _Entry:
-  """Everything built for one input signature."""
+class Program:
+  """Everything built for one input signature of a :class:`Partitioned`.
+
+  Attributes:
+    result: what propagation found (the global program and every sharding).
+    in_shardings, out_shardings: the layouts of the flat inputs and outputs
+      inside the partitioned program (uneven dims padded).
+    out_tree: the outputs' tree structure.
+    jitted: the compiled-on-first-call function of the placed flat inputs.
+    shard_fn: the ``shard_map`` of the per-device body (padded inputs).
+    recorder: every collective and safe-path fallback of the per-device program
+      (filled when it is traced).
+    timings: seconds per phase (trace, propagate, partition_setup, lower).
+    flat_avals: shape and dtype of each flat input.
+    in_place: the even layouts the inputs are placed with outside the program.
+  """
 
   result: ShardingResult
   in_shardings: list[TensorSharding]
@@ -33,7 +52,7 @@ class _Entry:
   recorder: Recorder
   timings: dict[str, float]
   flat_avals: list[jax.ShapeDtypeStruct]
-  in_place: list[TensorSharding]     # even layouts the arguments are placed with
+  in_place: list[TensorSharding]
 
 
 def _signature(leaves) -> tuple:
@@ -69,6 +88,27 @@ def _padded(shard_fn, in_sh, in_shapes, out_sh, out_shapes, mesh_sizes):
   return fn
 
 
+def _body(ctx: Context, result: ShardingResult, in_sh, out_sh, avals, out_leaves):
+  """The per-device program: interpret the jaxpr on local blocks, then bring each
+  output to its layout (a literal output is broadcast to its local shape)."""
+  closed = result.jaxpr
+
+  def body(*xs):
+    ctx.recorder.clear()
+    vals = [Value(x, s, tuple(a.shape), a.dtype) for x, s, a in zip(xs, in_sh, avals)]
+    outs = run_jaxpr(ctx, closed.jaxpr, (), closed.consts, vals)
+    res = []
+    for j, (o, s) in enumerate(zip(outs, out_sh)):
+      if o.literal:
+        leaf = out_leaves[j]
+        res.append(jax.numpy.broadcast_to(jax.numpy.asarray(o.x, leaf.dtype),
+                                          s.local_shape(leaf.shape, ctx.mesh_sizes)))
+      else:
+        res.append(ctx.reshard(o, s, None, f"output {j}").x)
+    return tuple(res)
+  return body
+
+
 class Partitioned:
   """A function partitioned over a mesh; call it like the original.
 
@@ -88,79 +128,32 @@ class Partitioned:
     self.strict = strict
     self.donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
                            else tuple(donate_argnums))
-    self._cache: dict[tuple, _Entry] = {}
+    self._cache: dict[tuple, Program] = {}
     self.__wrapped__ = fn
     self.__name__ = getattr(fn, "__name__", "partitioned")
 
   # -- building -------------------------------------------------------------
-  def _entry(self, args) -> _Entry:
+  def program(self, *args) -> Program:
+    """The :class:`Program` for this input signature, built once and cached."""
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
     key = (treedef, _signature(leaves))
-    entry = self._cache.get(key)
-    if entry is None:
-      entry = self._build(args)
-      self._cache[key] = entry
-    return entry
+    prog = self._cache.get(key)
+    if prog is None:
+      prog = self._build(args)
+      self._cache[key] = prog
+    return prog
 
-  def _build(self, args) -> _Entry:
-    timings = {}
+  def _build(self, args) -> Program:
+    result = analyze(self.fn, self.mesh_sizes, args, self.in_specs, self.out_specs)
+    timings = dict(result.timings)
     t0 = time.perf_counter()
-    leaves, paths, specs = flatten_specs(self.in_specs, args)
-    avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x))
-             for x in leaves]
-    with mesh_context(self.mesh_sizes):
-      closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
-    timings["trace"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    jaxpr = closed.jaxpr
-    graph = Graph(jaxpr, self.mesh_sizes)
-    for var, leaf, path, spec in zip(jaxpr.invars, leaves, paths, specs):
-      if spec is not None:
-        sharding, open_dims = spec_to_pin(spec, np.shape(leaf), self.mesh_sizes,
-                                          f"in_specs{path}")
-        graph.pin(graph.tensor((), var), sharding, open_dims, f"in_specs{path}")
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
-    out_specs_flat = self._flat_out_specs(out_shape)
-    for var, leaf, spec, j in zip(jaxpr.outvars, out_leaves, out_specs_flat,
-                                  range(len(out_leaves))):
-      t = graph.tensor((), var)
-      if spec is not None and t is not None and not t.fixed:
-        sharding, open_dims = spec_to_pin(spec, leaf.shape, self.mesh_sizes,
-                                          f"out_specs[{j}]")
-        graph.pin(t, sharding, open_dims, f"out_specs[{j}]")
-    sweeps, conflicts = propagate(graph)
-    result = ShardingResult(closed, self.mesh_sizes, graph, conflicts,
-                            graph.unsupported, sweeps)
-    timings["propagate"] = time.perf_counter() - t1
-    in_sh = [result.sharding(v).without_partial() for v in jaxpr.invars]
-    out_sh = []
-    for var, leaf, spec in zip(jaxpr.outvars, out_leaves, out_specs_flat):
-      if spec is not None:
-        s = spec_to_pin(spec, leaf.shape, self.mesh_sizes, "out_specs")[0]
-      elif hasattr(var, "aval") and not isinstance(var, jax.extend.core.Literal):
-        s = result.sharding(var).without_partial()
-      else:
-        s = TensorSharding.replicated(len(leaf.shape))
-      out_sh.append(s)
-    recorder = Recorder()
-    ctx = Context(graph, self.mesh_sizes, recorder, self.strict)
-
-    def body(*xs):
-      recorder.clear()
-      vals = [Value(x, s, tuple(a.shape), a.dtype)
-              for x, s, a in zip(xs, in_sh, avals)]
-      outs = run_jaxpr(ctx, jaxpr, (), closed.consts, vals)
-      res = []
-      for j, (o, s) in enumerate(zip(outs, out_sh)):
-        if o.literal:
-          x = jax.numpy.broadcast_to(jax.numpy.asarray(o.x, out_leaves[j].dtype),
-                                     s.local_shape(out_leaves[j].shape, self.mesh_sizes))
-          res.append(x)
-          continue
-        res.append(ctx.reshard(o, s, None, f"output {j}").x)
-      return tuple(res)
-
-    shard_fn = jax.shard_map(body, mesh=self.mesh,
+    leaves = jax.tree_util.tree_leaves(tuple(args))
+    avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in leaves]
+    out_leaves, out_tree = jax.tree_util.tree_flatten(result.out_shape)
+    in_sh, out_sh = self._boundary(result, out_leaves)
+    ctx = Context(result.graph, self.mesh_sizes, Recorder(), self.strict, run_jaxpr)
+    shard_fn = jax.shard_map(_body(ctx, result, in_sh, out_sh, avals, out_leaves),
+                             mesh=self.mesh,
                              in_specs=tuple(s.to_spec() for s in in_sh),
                              out_specs=tuple(s.to_spec() for s in out_sh),
                              check_vma=False)
@@ -171,22 +164,26 @@ class Partitioned:
                                 for s, n in zip(out_sh, out_shapes)):
       fn = _padded(shard_fn, in_sh, [tuple(a.shape) for a in avals], out_sh, out_shapes,
                    self.mesh_sizes)
-    donate = self._flat_donate(args)
-    jitted = jax.jit(fn, donate_argnums=donate)
-    timings["partition_setup"] = time.perf_counter() - t1 - timings["propagate"]
-    return _Entry(result, in_sh, out_sh, out_tree, jitted, shard_fn, recorder, timings,
-                  avals, in_place)
+    jitted = jax.jit(fn, donate_argnums=self._flat_donate(args))
+    timings["partition_setup"] = time.perf_counter() - t0
+    return Program(result, in_sh, out_sh, out_tree, jitted, shard_fn, ctx.recorder, timings,
+                   avals, in_place)
 
-  def _flat_out_specs(self, out_shape) -> list:
-    n = len(jax.tree_util.tree_leaves(out_shape))
-    if self.out_specs is None:
-      return [None] * n
-    if isinstance(self.out_specs, P):
-      return [self.out_specs] * n
-    from jax._src.tree_util import broadcast_prefix
-    specs = self.out_specs
-    return broadcast_prefix(specs, out_shape,
-                            is_leaf=lambda x: x is None or isinstance(x, P))
+  def _boundary(self, result: ShardingResult, out_leaves):
+    """The layouts of the program's flat inputs and outputs (no pending sums)."""
+    jaxpr = result.jaxpr.jaxpr
+    in_sh = [result.sharding(v).without_partial() for v in jaxpr.invars]
+    _, _, specs = flatten_specs(self.out_specs, result.out_shape, "out_specs")
+    out_sh = []
+    for var, leaf, spec in zip(jaxpr.outvars, out_leaves, specs):
+      if spec is not None:
+        s = spec_to_pin(spec, leaf.shape, self.mesh_sizes, "out_specs")[0]
+      elif not isinstance(var, Literal):
+        s = result.sharding(var).without_partial()
+      else:
+        s = TensorSharding.replicated(len(leaf.shape))
+      out_sh.append(s)
+    return in_sh, out_sh
 
   def _flat_donate(self, args) -> tuple[int, ...]:
     out, k = [], 0
@@ -199,12 +196,12 @@ class Partitioned:
 
   # -- running --------------------------------------------------------------
   def __call__(self, *args):
-    entry = self._entry(args)
+    prog = self.program(*args)
     leaves = jax.tree_util.tree_leaves(tuple(args))
     placed = [jax.device_put(x, NamedSharding(self.mesh, s.to_spec()))
-              for x, s in zip(leaves, entry.in_place)]
-    outs = entry.jitted(*placed)
-    return jax.tree_util.tree_unflatten(entry.out_tree, list(outs))
+              for x, s in zip(leaves, prog.in_place)]
+    outs = prog.jitted(*placed)
+    return jax.tree_util.tree_unflatten(prog.out_tree, list(outs))
 
   def lower(self, *args, platform: str | None = None):
     """Lower for inspection; ``args`` may be ``jax.ShapeDtypeStruct``s.
@@ -212,16 +209,15 @@ class Partitioned:
     ``platform="tpu"`` lowers for TPU from this machine (with an
     ``AbstractMesh`` of any size).
     """
-    from gshard.spmd.inspect import Lowered
-    entry = self._entry(args)
+    prog = self.program(*args)
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype,
                                     sharding=NamedSharding(self.mesh, s.to_spec()))
-               for a, s in zip(entry.flat_avals, entry.in_place)]
+               for a, s in zip(prog.flat_avals, prog.in_place)]
     t0 = time.perf_counter()
-    traced = entry.jitted.trace(*structs)
+    traced = prog.jitted.trace(*structs)
     lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
-    entry.timings["lower"] = time.perf_counter() - t0
-    return Lowered(self, entry, lowered, structs)
+    prog.timings["lower"] = time.perf_counter() - t0
+    return Lowered(self, prog, lowered, structs)
 
 
 def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = False,

@@ -8,16 +8,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import numpy as np
-from jax import lax
 
-from gshard.spmd import reshard as _reshard
-from gshard.spmd.propagate import Graph, source_of
-from gshard.spmd.sharding import TensorSharding
+from gshard.spmd import collectives, reshard
+from gshard.spmd.graph import Graph, source_of
+from gshard.spmd.sharding import TensorSharding, fit_axes
 
 
 class PartitionWarning(UserWarning):
@@ -73,10 +71,13 @@ class Collective:
 
 @dataclasses.dataclass
 class Recorder:
+  """The collectives and safe-path fallbacks of one per-device program, in order."""
+
   collectives: list[Collective] = dataclasses.field(default_factory=list)
   fallbacks: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
   def clear(self) -> None:
+    """Forget what was recorded (the body is traced again)."""
     self.collectives.clear()
     self.fallbacks.clear()
 
@@ -88,26 +89,30 @@ def evenize(s: TensorSharding, shape, mesh_sizes) -> TensorSharding:
   only with even shardings: this is the layout of an uneven program input or
   output outside the partitioned program (inside, it is padded).
   """
-  dims = []
-  for n, axes in zip(shape, s.dims):
-    keep = list(axes)
-    while keep and n % math.prod(mesh_sizes[a] for a in keep):
-      keep.pop()
-    dims.append(tuple(keep))
-  return TensorSharding(tuple(dims), s.partial)
+  return TensorSharding(tuple(fit_axes(axes, n, mesh_sizes) for n, axes in zip(shape, s.dims)),
+                        s.partial)
 
 
 class Context:
-  """Shared state of one partitioning: graph, mesh, recorder, options."""
+  """Shared state of one partitioning: graph, mesh, recorder, options.
+
+  Rules reach the interpreter through it: :meth:`run_jaxpr` interprets an inner
+  jaxpr (a call's, a loop body's) per device.
+  """
 
   def __init__(self, graph: Graph, mesh_sizes: Mapping[str, int], recorder: Recorder,
-               strict: bool):
+               strict: bool, interpreter: Callable[..., list]):
     self.graph = graph
+    self._interpreter = interpreter
     self.mesh_sizes = dict(mesh_sizes)
     self.recorder = recorder
     self.strict = strict
     self.repeat = 1          # trip count of the loops being traced (bytes scale)
     self.enclosing: list = []   # call equations whose inner jaxpr is running
+
+  def run_jaxpr(self, jaxpr, scope: tuple, consts, args: list[Value]) -> list[Value]:
+    """Interpret ``jaxpr`` (in ``scope``) on per-device values; its outputs' values."""
+    return self._interpreter(self, jaxpr, scope, consts, args)
 
   def source(self, eqn) -> str:
     """The user's file:line of ``eqn``; for an equation inside a library's
@@ -143,7 +148,7 @@ class Context:
       dst = dst.with_partial(dst.partial & v.sharding.partial)
     if v.literal or v.sharding == dst:
       return dataclasses.replace(v, sharding=dst) if v.literal else v
-    plan = _reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
+    plan = reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
     src_name = self.source(eqn)
     prim = eqn.primitive.name if eqn is not None else "output"
     for step in plan.steps:
@@ -154,11 +159,13 @@ class Context:
           role,
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
           else str(v.dtype), src_name, bool(plan.fallback)))
-    x = _reshard.apply_plan(v.x, plan, v.shape, self.mesh_sizes)
+    x = collectives.apply_plan(v.x, plan, v.shape, self.mesh_sizes)
     return Value(x, dst, v.shape, v.dtype)
 
   def record(self, kind: str, axes, nbytes: int, eqn, role: str, src: TensorSharding,
              dst: TensorSharding, shape, dtype) -> None:
+    """Record a collective a rule emits itself (a halo ppermute, a pmax), sent
+    ``nbytes`` per device, against ``eqn``."""
     self.recorder.collectives.append(Collective(
         kind, tuple(axes), int(nbytes) * self.repeat, eqn.primitive.name, role, src, dst,
         tuple(shape),
@@ -179,12 +186,10 @@ class Context:
   # -- device coordinates ---------------------------------------------------
   def linear_index(self, axes) -> Any:
     """This device's index along ``axes`` (major first), as a traced int32."""
-    idx = jnp_int(0)
-    for a in axes:
-      idx = idx * self.mesh_sizes[a] + lax.axis_index(a)
-    return idx
+    return collectives.linear_axis_index(tuple(axes), self.mesh_sizes)
 
   def num_shards(self, axes) -> int:
+    """How many blocks ``axes`` cut a dim into."""
     return math.prod(self.mesh_sizes[a] for a in axes)
 
 
@@ -195,6 +200,3 @@ def _is_np(dtype) -> bool:
   except TypeError:
     return False
 
-
-def jnp_int(v: int):
-  return jax.numpy.int32(v)

@@ -1,4 +1,7 @@
-"""Partition rules for loops and branches: the per-device program keeps them.
+"""Partition rules for calls, loops and branches: the per-device program keeps them.
+
+A nested ``jit``/``custom_jvp_call``/``custom_vjp_call`` is interpreted inline;
+``checkpoint`` is re-wrapped in ``jax.checkpoint`` around its partitioned body.
 
 ``scan`` stays one ``lax.scan`` whose body is the partitioned body: carries
 hold one sharding across iterations (the one propagation settled on for the
@@ -13,11 +16,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import jax
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.interpret import run_jaxpr
-from gshard.spmd.partition.rules import partition_rules
 from gshard.spmd.sharding import TensorSharding
 
 
@@ -41,6 +43,8 @@ def _repeated(ctx: Context, n: int):
 
 
 def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``scan``: one ``lax.scan`` over the partitioned body; carries keep the body's
+  propagated sharding; ``xs``/``ys`` are split like the per-step values."""
   p = eqn.params
   closed = p["jaxpr"]
   jaxpr = closed.jaxpr
@@ -62,7 +66,7 @@ def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   def body(carry, x):
     args = consts + [Value(c, s, v.shape, v.dtype) for c, s, v in zip(carry, carry_s, init)]
     args += [_unstacked(v, s, xi) for v, s, xi in zip(xs, x_s, x)]
-    outs = run_jaxpr(ctx, jaxpr, sub, closed.consts, args)
+    outs = ctx.run_jaxpr(jaxpr, sub, closed.consts, args)
     new = [ctx.reshard(o, s, eqn, f"carry {c}").x
            for c, (o, s) in enumerate(zip(outs[:nk], carry_s))]
     ys = [ctx.reshard(o, s, eqn, f"ys {k}").x
@@ -79,6 +83,8 @@ def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
 
 def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``while``: one ``lax.while_loop`` over the partitioned cond and body; the
+  predicate is replicated."""
   p = eqn.params
   cond, body = p["cond_jaxpr"], p["body_jaxpr"]
   cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -93,11 +99,11 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     return [Value(x, s, v.shape, v.dtype) for x, s, v in zip(xs, carry_s, init)]
 
   def cond_fun(xs):
-    (pred,) = run_jaxpr(ctx, cond.jaxpr, csub, cond.consts, list(cconsts) + values(xs))
+    (pred,) = ctx.run_jaxpr(cond.jaxpr, csub, cond.consts, list(cconsts) + values(xs))
     return ctx.reshard(pred, TensorSharding.replicated(0), eqn, "predicate").x
 
   def body_fun(xs):
-    outs = run_jaxpr(ctx, body.jaxpr, bsub, body.consts, list(bconsts) + values(xs))
+    outs = ctx.run_jaxpr(body.jaxpr, bsub, body.consts, list(bconsts) + values(xs))
     return [ctx.reshard(o, s, eqn, f"carry {c} (per iteration)").x
             for c, (o, s) in enumerate(zip(outs, carry_s))]
 
@@ -106,6 +112,8 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
 
 def cond_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``cond``: one ``lax.switch`` over the partitioned branches; every branch
+  returns its results in the propagated layout."""
   branches = eqn.params["branches"]
   index = ctx.reshard(ins[0], TensorSharding.replicated(0), eqn, "operand 0")
   ops = ins[1:]
@@ -118,7 +126,7 @@ def cond_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
     def f(*xs):
       args = [dataclasses.replace(v, x=x) for v, x in zip(ops, xs)]
-      outs = run_jaxpr(ctx, br.jaxpr, sub, br.consts, args)
+      outs = ctx.run_jaxpr(br.jaxpr, sub, br.consts, args)
       return [ctx.reshard(o, s, eqn, f"result {j}").x
               for j, (o, s) in enumerate(zip(outs, out_s))]
     return f
@@ -129,4 +137,29 @@ def cond_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
           for x, s, v in zip(outs, out_s, eqn.outvars)]
 
 
-partition_rules.update({"scan": scan_rule, "while": while_rule, "cond": cond_rule})
+def call_rule(ctx: Context, eqn, ins, scope, idx, *, param: str) -> list[Value]:
+  """A nested jit / custom_jvp / custom_vjp call: interpret its jaxpr inline."""
+  inner = eqn.params[param]
+  jaxpr = getattr(inner, "jaxpr", inner)
+  consts = getattr(inner, "consts", ())
+  return ctx.run_jaxpr(jaxpr, scope + ((idx, (param,)),), consts, ins)
+
+
+def checkpoint_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``jax.checkpoint``: the per-device program keeps the rematerialisation."""
+  inner = eqn.params["jaxpr"]
+  sub = scope + ((idx, ("jaxpr",)),)
+  meta: list[Value] = []
+  live = [i for i, v in enumerate(ins) if not v.literal]
+
+  def body(*xs):
+    args = list(ins)
+    for i, x in zip(live, xs):
+      args[i] = dataclasses.replace(ins[i], x=x)
+    outs = ctx.run_jaxpr(inner, sub, (), args)
+    meta[:] = outs
+    return [o.x for o in outs]
+
+  xs = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
+                      policy=eqn.params.get("policy"))(*[ins[i].x for i in live])
+  return [dataclasses.replace(m, x=x) for m, x in zip(meta, xs)]

@@ -1,20 +1,27 @@
-"""dynamic_slice / dynamic_update_slice along split dims, without gathering.
+"""Gathers, scatters and dynamic slices along split dims, without gathering the operand.
 
-A KV cache split over its sequence dim is read (``dynamic_slice``) by each
-device taking the rows it holds, zeros elsewhere: the slice is a pending sum
-over that split, resolved with one psum of the (small) slice. It is written
-(``dynamic_update_slice``) by each device keeping the update rows that land in
-its block: no communication at all. Start indices follow jax's semantics
-(clamped so the window fits).
+A **gather** from a table split on its indexed dim (an embedding lookup with
+the vocabulary split): each device looks up the rows it holds, zeros
+elsewhere; the result is a pending sum over the table's split axes. A
+**scatter-add** into a split operand: each device keeps the updates that land
+in its rows. A KV cache split over its sequence dim is read
+(``dynamic_slice``) by each device taking the rows it holds, zeros elsewhere:
+the slice is a pending sum over that split, resolved with one psum of the
+(small) slice. It is written (``dynamic_update_slice``) by each device keeping
+the update rows that land in its block: no communication at all. Start
+indices follow jax's semantics (clamped so the window fits).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
+from jax.lax import GatherScatterMode
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.rules import generic_rule, partition_rules
+from gshard.spmd.partition.generic import bind_local, factor_rule_of, generic_rule, plan_local
 from gshard.spmd.sharding import TensorSharding
 
 
@@ -40,6 +47,8 @@ def _mask_along(mask, dim: int, shape):
 
 
 def dynamic_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``dynamic_slice`` along split dims: each device reads the rows it holds
+  (zeros elsewhere); the slice is a pending sum over those dims' axes."""
   operand = ins[0]
   sizes = eqn.params["slice_sizes"]
   full = operand.shape
@@ -72,11 +81,18 @@ def dynamic_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
 
 def dynamic_update_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``dynamic_update_slice`` along split dims: each device writes the update rows
+  that land in its block; no communication."""
   operand, update = ins[0], ins[1]
   full, usize = operand.shape, update.shape
   split = [d for d in range(len(full)) if operand.sharding.dims[d] and usize[d] != full[d]]
   if not split:
-    return generic_rule(ctx, eqn, ins, scope, idx)
+    # The plain local op: the update's dims must not be split where it is
+    # smaller than the operand (its offset dims).
+    rule = factor_rule_of(eqn)
+    upd = {f for d in rule.operands[1] for f in d}
+    offset = frozenset(f for d in rule.operands[0] for f in d if f not in upd)
+    return bind_local(ctx, eqn, plan_local(ctx, eqn, ins, scope, blocked=offset), ins)
   operand = ctx.reshard(operand, operand.sharding.without_partial(), eqn, "operand 0")
   upd_s = TensorSharding(tuple(operand.sharding.dims[d] if usize[d] == full[d] else ()
                                for d in range(len(full))))
@@ -102,5 +118,101 @@ def dynamic_update_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]
   return [Value(x, operand.sharding, tuple(out.aval.shape), out.aval.dtype)]
 
 
-partition_rules.update({"dynamic_slice": dynamic_slice_rule,
-                        "dynamic_update_slice": dynamic_update_slice_rule})
+def _index_offsets(ctx, eqn, plan, op_dims_factors, indexed_dims, op_value):
+  """For each indexed operand dim split by the plan: (dim, axes, local size, offset)."""
+  out = []
+  for d in indexed_dims:
+    (f,) = op_dims_factors[d]
+    axes = plan.choice.get(f, ())
+    if axes:
+      local = op_value.sharding.local_shape(op_value.shape, ctx.mesh_sizes)[d]
+      out.append((d, axes, local, ctx.linear_index(axes) * local))
+  return out
+
+
+def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """A lookup into a split table: each device looks up the rows it holds.
+
+  Indices outside the local rows read row 0 and are masked to zero; the result
+  is a pending sum over the table's split axes (an embedding lookup with the
+  vocabulary split never gathers the table).
+  """
+  del idx
+  dn = eqn.params["dimension_numbers"]
+  mode = eqn.params["mode"]
+  plan = plan_local(ctx, eqn, ins, scope)
+  operand = ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
+  indices = ctx.reshard(ins[1], plan.operands[1], eqn, "operand 1")
+  split = _index_offsets(ctx, eqn, plan, plan.rule.operands[0],
+                         [d for d in dn.collapsed_slice_dims if d in dn.start_index_map],
+                         operand)
+  if not split:
+    return bind_local(ctx, eqn, plan, [operand, indices])
+  full = eqn.invars[0].aval.shape
+  idx_x = indices.x
+  in_range = None
+  oob = None
+  comps = []
+  for k, d in enumerate(dn.start_index_map):
+    comps.append(idx_x[..., k])
+  for d, axes, local, offset in split:
+    k = list(dn.start_index_map).index(d)
+    g = comps[k]
+    is_fill = "FILL" in str(mode)
+    if is_fill:
+      bad = (g < 0) | (g >= full[d])
+      oob = bad if oob is None else (oob | bad)
+    else:
+      g = jnp.clip(g, 0, full[d] - 1)
+    loc = g - offset.astype(g.dtype)
+    ok = (loc >= 0) & (loc < local)
+    in_range = ok if in_range is None else (in_range & ok)
+    comps[k] = jnp.where(ok, loc, 0)
+  new_idx = jnp.stack(comps, axis=-1).astype(idx_x.dtype)
+  (out,) = bind_local(ctx, eqn, plan, [operand, dataclasses.replace(indices, x=new_idx)])
+  out_rank = len(out.shape)
+  batch_dims = [i for i in range(out_rank) if i not in dn.offset_dims]
+  local_out = out.sharding.local_shape(out.shape, ctx.mesh_sizes)
+  mask = lax.broadcast_in_dim(in_range, local_out, batch_dims)
+  y = jnp.where(mask, out.x, jnp.zeros((), out.x.dtype))
+  if oob is not None:
+    fill = eqn.params.get("fill_value")
+    if fill is None:
+      fill = (jnp.nan if jnp.issubdtype(out.x.dtype, jnp.inexact)
+              else (jnp.iinfo(out.x.dtype).min if jnp.issubdtype(out.x.dtype, jnp.signedinteger)
+                    else jnp.iinfo(out.x.dtype).max))
+    first = None
+    for _, axes, _, _ in split:
+      f0 = ctx.linear_index(axes) == 0
+      first = f0 if first is None else (first & f0)
+    put = lax.broadcast_in_dim(oob, local_out, batch_dims) & first
+    y = jnp.where(put, jnp.asarray(fill, out.x.dtype), y)
+  return [dataclasses.replace(out, x=y)]
+
+
+def scatter_add_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """Scatter-add into a split operand: each device keeps the rows it holds."""
+  del idx
+  dn = eqn.params["dimension_numbers"]
+  plan = plan_local(ctx, eqn, ins, scope)
+  vals = [ctx.reshard(v, s, eqn, f"operand {j}") if s is not None else v
+          for j, (v, s) in enumerate(zip(ins, plan.operands))]
+  split = _index_offsets(ctx, eqn, plan, plan.rule.operands[0],
+                         [d for d in dn.inserted_window_dims
+                          if d in dn.scatter_dims_to_operand_dims], vals[0])
+  if not split:
+    return bind_local(ctx, eqn, plan, vals)
+  full = eqn.invars[0].aval.shape
+  idx_x = vals[1].x
+  comps = [idx_x[..., k] for k in range(len(dn.scatter_dims_to_operand_dims))]
+  clip = "CLIP" in str(eqn.params["mode"])
+  for d, axes, local, offset in split:
+    k = list(dn.scatter_dims_to_operand_dims).index(d)
+    g = jnp.clip(comps[k], 0, full[d] - 1) if clip else comps[k]
+    loc = g - offset.astype(g.dtype)
+    ok = (loc >= 0) & (loc < local) & (g >= 0) & (g < full[d])
+    comps[k] = jnp.where(ok, loc, local)          # out of range: dropped
+  new_idx = jnp.stack(comps, axis=-1).astype(idx_x.dtype)
+  fixed = dataclasses.replace(vals[1], x=new_idx)
+  eqn2 = eqn.replace(params={**eqn.params, "mode": GatherScatterMode.FILL_OR_DROP})
+  return bind_local(ctx, eqn2, plan, [vals[0], fixed, vals[2]])

@@ -14,12 +14,24 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend.core import Literal
 
+from gshard.spmd import registry
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.rules import partition_rule_for
+from gshard.spmd.partition.generic import generic_rule, safe_rule
 from gshard.spmd.sharding import TensorSharding
 
 
+def partition_rule_for(eqn):
+  """The registered partition rule of ``eqn``'s primitive (the safe path if none)."""
+  entry = registry.entry(eqn.primitive.name)
+  if entry is None or entry.partition == registry.SAFE:
+    return safe_rule
+  if entry.partition == registry.GENERIC:
+    return generic_rule
+  return entry.partition
+
+
 def literal_value(v: Literal) -> Value:
+  """A literal as a replicated per-device value."""
   shape = tuple(np.shape(v.val))
   return Value(v.val, TensorSharding.replicated(len(shape)), shape,
                getattr(v.aval, "dtype", None), literal=True)

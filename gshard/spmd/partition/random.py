@@ -42,8 +42,7 @@ from jax import lax
 from jax.extend.random import threefry2x32_p, threefry_prng_impl
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.rules import (_bind_local, generic_rule, partition_rules,
-                                         plan_local)
+from gshard.spmd.partition.generic import bind_local, plan_local
 from gshard.spmd.sharding import TensorSharding
 
 _U32 = np.dtype("uint32")
@@ -51,11 +50,11 @@ _U32 = np.dtype("uint32")
 
 # -- 64-bit counters as two uint32 words -------------------------------------
 
-def _mul_wide(x, c: int):
+def mul_wide(x, c: int):
   """``x * c`` as ``(hi, lo)`` uint32 words; ``x`` a uint32 array, ``0 <= c < 2**32``.
 
   Schoolbook on 16-bit halves, so every partial product fits in 32 bits.
-  ``_mul_wide(jnp.uint32(2**31), 6) == (3, 0)``.
+  ``mul_wide(jnp.uint32(2**31), 6) == (3, 0)``.
   """
   c_hi, c_lo = np.uint32(c >> 16), np.uint32(c & 0xFFFF)
   x_hi, x_lo = x >> np.uint32(16), x & np.uint32(0xFFFF)
@@ -68,7 +67,7 @@ def _mul_wide(x, c: int):
   return hi, lo
 
 
-def _add_wide(a, b):
+def add_wide(a, b):
   """``(hi, lo) + (hi, lo)`` modulo 2**64."""
   lo = a[1] + b[1]
   return a[0] + b[0] + (lo < a[1]).astype(_U32), lo
@@ -97,8 +96,8 @@ def flat_counters(local_shape, global_shape, offsets):
     return jnp.zeros(tuple(local_shape), _U32), lo
   acc = (jnp.zeros(tuple(local_shape), _U32), jnp.zeros(tuple(local_shape), _U32))
   for i, s in zip(idx, strides):
-    hi, lo = _mul_wide(i, s & 0xFFFFFFFF)
-    acc = _add_wide(acc, (hi + i * np.uint32(s >> 32), lo))
+    hi, lo = mul_wide(i, s & 0xFFFFFFFF)
+    acc = add_wide(acc, (hi + i * np.uint32(s >> 32), lo))
   return acc
 
 
@@ -141,7 +140,7 @@ def _key_expand(ctx: Context, eqn, ins, scope, make) -> list[Value]:
   out = plan.results[0]
   nk = len(key.shape)
   if not any(out.dims[nk:]):                     # new dims unsplit: the op itself
-    return _bind_local(ctx, eqn, plan, [key])
+    return bind_local(ctx, eqn, plan, [key])
   (var,) = eqn.outvars
   global_shape = tuple(var.aval.shape)[nk:]
   if not _counter_based(key.dtype):
@@ -149,7 +148,7 @@ def _key_expand(ctx: Context, eqn, ins, scope, make) -> list[Value]:
     # (a slice: no communication).
     whole = dataclasses.replace(plan, results=[
         TensorSharding(out.dims[:nk] + ((),) * len(global_shape))])
-    return _bind_local(ctx, eqn, whole, [key])
+    return bind_local(ctx, eqn, whole, [key])
   b1, b2 = _threefry_local(ctx, key, nk, out, global_shape)
   return [Value(make(b1, b2), out, tuple(var.aval.shape), var.aval.dtype)]
 
@@ -206,7 +205,7 @@ def random_gamma_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   nk = len(ins[0].shape)
   out = plan.results[0]
   whole = TensorSharding(out.dims[:nk] + ((),) * (len(out.dims) - nk))
-  return _bind_local(ctx, eqn, dataclasses.replace(
+  return bind_local(ctx, eqn, dataclasses.replace(
       plan, operands=[plan.operands[0], whole], results=[whole]), ins)
 
 
@@ -214,15 +213,3 @@ def identity_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``reshard``: the value as it is; the interpreter brings it to its target."""
   del ctx, eqn, scope, idx
   return [ins[0]]
-
-
-for _name in ("random_seed", "random_wrap", "random_unwrap", "random_fold_in",
-              "random_clone", "threefry2x32", "bitcast_convert_type"):
-  partition_rules[_name] = generic_rule
-partition_rules.update({
-    "random_bits": random_bits_rule,
-    "random_split": random_split_rule,
-    "iota_2x32_shape": iota_2x32_shape_rule,
-    "random_gamma": random_gamma_rule,
-    "reshard": identity_rule,
-})

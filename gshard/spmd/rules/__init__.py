@@ -1,11 +1,15 @@
-"""Sharding rules, one file per family, gathered in one table keyed by primitive name."""
+"""Sharding rules: one file per family; what a rule is lives in ``_core``.
 
-from gshard.spmd.rules import (annotation, control, conv, dot, elementwise, indexing,  # noqa: F401
-                               reduce, shape)
-from gshard.spmd.rules import random as _random  # noqa: F401  (registers rules)
+This package's ``__init__`` exports the rule types only. The family modules
+(``elementwise``, ``dot``, ``reduce``, ``shape``, ``indexing``, ``conv``,
+``control``, ``random``, ``annotation``) register their primitives in
+:mod:`gshard.spmd.registry` when imported; ``gshard.spmd`` imports them all.
+"""
+
 from gshard.spmd.rules._core import (IN, OUT, SUB_IN, SUB_OUT, Constraint, FactorRule,
-                                     OpRule, Pin, as_op_rule, factor_rule, register,
-                                     sharding_rules)
+                                     Factors, OpRule, Pin, Ref, RuleResult, ShardingRule,
+                                     as_op_rule, factor_rule, letters, shapes)
 
-__all__ = ["IN", "OUT", "SUB_IN", "SUB_OUT", "Constraint", "FactorRule", "OpRule", "Pin",
-           "as_op_rule", "factor_rule", "register", "sharding_rules"]
+__all__ = ["IN", "OUT", "SUB_IN", "SUB_OUT", "Constraint", "FactorRule", "Factors", "OpRule",
+           "Pin", "Ref", "RuleResult", "ShardingRule", "as_op_rule", "factor_rule", "letters",
+           "shapes"]

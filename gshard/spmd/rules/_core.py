@@ -63,6 +63,7 @@ class FactorRule:
 
   @property
   def size_of(self) -> Mapping[str, int]:
+    """Factor name -> size."""
     return dict(self.sizes)
 
   @property
@@ -161,6 +162,47 @@ def letters(n: int, start: int = 0) -> str:
   return alphabet[start:start + n]
 
 
+class Factors:
+  """Fresh factor names with their sizes and roles: the way to build a rule by hand.
+
+  Names are handed out in order (``a``, ``b``, ...). ``rule`` assembles the
+  :class:`FactorRule` from per-tensor, per-dim factor tuples.
+
+  Example: ``reduce_sum(f32[8,16], axes=(1,))`` is::
+
+    >>> f = Factors()
+    >>> a, b = f(8), f(16, reduction=True)
+    >>> str(f.rule([[(a,), (b,)]], [[(a,)]], linear="unary"))
+    'ab->a sum={b} linear=unary'
+  """
+
+  def __init__(self):
+    self.sizes: dict[str, int] = {}
+    self.blocked: list[str] = []
+    self.reduction: list[str] = []
+
+  def __call__(self, size: int, *, blocked: bool = False, reduction: bool = False) -> str:
+    """A new factor of ``size``; ``blocked`` never split, ``reduction`` summed over."""
+    f = letters(1, len(self.sizes))
+    self.sizes[f] = int(size)
+    if blocked:
+      self.blocked.append(f)
+    if reduction:
+      self.reduction.append(f)
+    return f
+
+  def rule(self, operands: Sequence[Sequence[Sequence[str]]],
+           results: Sequence[Sequence[Sequence[str]]], *, linear: str = "none",
+           other_reduction: Sequence[str] = ()) -> FactorRule:
+    """The rule over ``operands`` and ``results`` (per tensor, per dim, factors)."""
+    return FactorRule(
+        operands=tuple(tuple(tuple(d) for d in t) for t in operands),
+        results=tuple(tuple(tuple(d) for d in t) for t in results),
+        sizes=tuple(sorted(self.sizes.items())), reduction=frozenset(self.reduction),
+        other_reduction=frozenset(other_reduction), blocked=frozenset(self.blocked),
+        linear=linear)
+
+
 # -- rules over several tensors: operands, results and inner jaxprs ----------
 
 # A reference to a tensor of an equation:
@@ -172,18 +214,22 @@ Ref = tuple[str, Any, int]
 
 
 def IN(i: int) -> Ref:
+  """Operand ``i`` of the equation."""
   return ("in", None, i)
 
 
 def OUT(i: int) -> Ref:
+  """Result ``i`` of the equation."""
   return ("out", None, i)
 
 
 def SUB_IN(path: tuple, i: int) -> Ref:
+  """Invar ``i`` of the inner jaxpr at param ``path`` (e.g. ``('branches', 1)``)."""
   return ("sub_in", path, i)
 
 
 def SUB_OUT(path: tuple, i: int) -> Ref:
+  """Outvar ``i`` of the inner jaxpr at param ``path``."""
   return ("sub_out", path, i)
 
 
@@ -210,6 +256,8 @@ class Pin:
 
 @dataclasses.dataclass(frozen=True)
 class OpRule:
+  """Several constraints over an equation's tensors (inner jaxprs' too), and pins."""
+
   constraints: tuple[Constraint, ...]
   pins: tuple[Pin, ...] = ()
 
@@ -217,15 +265,9 @@ class OpRule:
 RuleResult = Union[FactorRule, OpRule]
 ShardingRule = Callable[..., RuleResult]
 
-sharding_rules: dict[str, ShardingRule] = {}
-
-
-def register(name: str, rule: ShardingRule) -> None:
-  """Register the sharding rule of the primitive called ``name``."""
-  sharding_rules[name] = rule
-
 
 def as_op_rule(result: RuleResult, num_in: int, num_out: int) -> OpRule:
+  """A rule's result as an OpRule: a FactorRule is one constraint over all operands and results."""
   if isinstance(result, OpRule):
     return result
   return OpRule((Constraint(result, tuple(IN(i) for i in range(num_in)),
@@ -233,4 +275,5 @@ def as_op_rule(result: RuleResult, num_in: int, num_out: int) -> OpRule:
 
 
 def shapes(avals) -> list[tuple[int, ...]]:
+  """The shapes of avals (``()`` for those without one)."""
   return [tuple(getattr(a, "shape", ())) for a in avals]

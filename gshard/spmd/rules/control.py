@@ -9,17 +9,22 @@ engine then treats inner variables like any other.
 
 from __future__ import annotations
 
+import functools
+
+from gshard.spmd.partition import control as partition
+from gshard.spmd.registry import register
 from gshard.spmd.rules._core import (IN, OUT, SUB_IN, SUB_OUT, Constraint, FactorRule,
-                                     OpRule, factor_rule, letters, register)
+                                     OpRule, factor_rule, letters)
 
 
-def _identity(shape, linear="unary") -> FactorRule:
+def identity_rule(shape, linear="unary") -> FactorRule:
+  """``ab->ab``: a value linked to another of the same shape."""
   f = letters(len(shape))
   return factor_rule(f"{f}->{f}", [shape], [shape], linear=linear)
 
 
 def _link(src, dst, shape, linear="unary") -> Constraint:
-  return Constraint(_identity(tuple(shape), linear), (src,), (dst,))
+  return Constraint(identity_rule(tuple(shape), linear), (src,), (dst,))
 
 
 def _strip_leading(outer, inner, outer_shape, to_inner: bool) -> Constraint:
@@ -43,6 +48,8 @@ def call_rule(in_avals, out_avals, *, jaxpr_param: str, **params) -> OpRule:
 
 
 def scan_rule(in_avals, out_avals, *, num_consts, num_carry, **params) -> OpRule:
+  """``scan``: consts linked to the body's invars; each carry linked in, round the
+  loop and out (never pending); ``xs``/``ys`` strip their scanned dim."""
   path = ("jaxpr",)
   cons = []
   for i in range(num_consts):
@@ -61,6 +68,8 @@ def scan_rule(in_avals, out_avals, *, num_consts, num_carry, **params) -> OpRule
 
 
 def while_rule(in_avals, out_avals, *, cond_nconsts, body_nconsts, **params) -> OpRule:
+  """``while``: consts and carries linked to the cond's and body's invars, round
+  the loop and out (never pending)."""
   cond, body = ("cond_jaxpr",), ("body_jaxpr",)
   cons = []
   for i in range(cond_nconsts):
@@ -81,6 +90,8 @@ def while_rule(in_avals, out_avals, *, cond_nconsts, body_nconsts, **params) -> 
 
 
 def cond_rule(in_avals, out_avals, *, branches, **params) -> OpRule:
+  """``cond``: every branch's invars linked to the operands, its outvars to the
+  results."""
   cons = []
   for k in range(len(branches)):
     path = ("branches", k)
@@ -91,18 +102,12 @@ def cond_rule(in_avals, out_avals, *, branches, **params) -> OpRule:
   return OpRule(tuple(cons))
 
 
-register("jit", lambda i, o, **p: call_rule(i, o, jaxpr_param="jaxpr", **p))
-register("pjit", lambda i, o, **p: call_rule(i, o, jaxpr_param="jaxpr", **p))
-register("closed_call", lambda i, o, **p: call_rule(i, o, jaxpr_param="call_jaxpr", **p))
-register("core_call", lambda i, o, **p: call_rule(i, o, jaxpr_param="call_jaxpr", **p))
-register("custom_jvp_call",
-         lambda i, o, **p: call_rule(i, o, jaxpr_param="call_jaxpr", **p))
-register("custom_vjp_call",
-         lambda i, o, **p: call_rule(i, o, jaxpr_param="call_jaxpr", **p))
-register("custom_vjp_call_jaxpr",
-         lambda i, o, **p: call_rule(i, o, jaxpr_param="fun_jaxpr", **p))
-register("remat2", lambda i, o, **p: call_rule(i, o, jaxpr_param="jaxpr", **p))
-register("checkpoint", lambda i, o, **p: call_rule(i, o, jaxpr_param="jaxpr", **p))
-register("scan", scan_rule)
-register("while", while_rule)
-register("cond", cond_rule)
+for _names, _param in (("jit pjit", "jaxpr"),
+                       ("closed_call core_call custom_jvp_call custom_vjp_call", "call_jaxpr")):
+  register(_names, functools.partial(call_rule, jaxpr_param=_param),
+           partition=functools.partial(partition.call_rule, param=_param))
+register("remat2 checkpoint", functools.partial(call_rule, jaxpr_param="jaxpr"),
+         partition=partition.checkpoint_rule)
+register("scan", scan_rule, partition=partition.scan_rule)
+register("while", while_rule, partition=partition.while_rule)
+register("cond", cond_rule, partition=partition.cond_rule)

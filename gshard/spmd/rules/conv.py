@@ -52,35 +52,10 @@ with ``operand`` and the result (full size).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
-from gshard.spmd.rules._core import FactorRule, letters, register, shapes
-
-
-class _Factors:
-  """Fresh factor names with their sizes and roles."""
-
-  def __init__(self):
-    self.sizes: dict[str, int] = {}
-    self.blocked: list[str] = []
-    self.reduction: list[str] = []
-
-  def __call__(self, size: int, *, blocked: bool = False, reduction: bool = False) -> str:
-    f = letters(1, len(self.sizes))
-    self.sizes[f] = int(size)
-    if blocked:
-      self.blocked.append(f)
-    if reduction:
-      self.reduction.append(f)
-    return f
-
-  def rule(self, operands: Sequence[Sequence[Sequence[str]]],
-           results: Sequence[Sequence[Sequence[str]]], linear: str) -> FactorRule:
-    return FactorRule(
-        operands=tuple(tuple(tuple(d) for d in t) for t in operands),
-        results=tuple(tuple(tuple(d) for d in t) for t in results),
-        sizes=tuple(sorted(self.sizes.items())), reduction=frozenset(self.reduction),
-        blocked=frozenset(self.blocked), linear=linear)
+from gshard.spmd.partition import conv as partition
+from gshard.spmd.registry import register
+from gshard.spmd.rules._core import FactorRule, Factors, shapes
 
 
 def conv_rule(in_avals, out_avals, *, dimension_numbers, feature_group_count,
@@ -89,7 +64,7 @@ def conv_rule(in_avals, out_avals, *, dimension_numbers, feature_group_count,
   del params
   (lhs_shape, rhs_shape), (out_shape,) = shapes(in_avals), shapes(out_avals)
   lhs_spec, rhs_spec, out_spec = dimension_numbers
-  new = _Factors()
+  new = Factors()
   lhs: list = [None] * len(lhs_shape)
   rhs: list = [None] * len(rhs_shape)
   out: list = [None] * len(out_shape)
@@ -143,7 +118,7 @@ def pool_rule(in_avals, out_avals, *, n_operands: int, linear: str = "none",
   further operands (a generic ``reduce_window``'s init values) are scalars."""
   del params
   in_shapes, out_shapes = shapes(in_avals), shapes(out_avals)
-  new = _Factors()
+  new = Factors()
   dims = [(new(min(n, q)),) for n, q in zip(in_shapes[0], out_shapes[0])]
   operands = [dims] * n_operands + [[] for _ in in_shapes[n_operands:]]
   return new.rule(operands, [dims] * len(out_shapes), linear=linear)
@@ -160,17 +135,19 @@ def select_and_scatter_add_rule(in_avals, out_avals, **params) -> FactorRule:
   full-size dim it pools; the factor's size is the smaller)."""
   del params
   (src_shape, op_shape), _ = shapes(in_avals), shapes(out_avals)
-  new = _Factors()
+  new = Factors()
   dims = [(new(min(q, n)),) for q, n in zip(src_shape, op_shape)]
   return new.rule([dims, dims], [dims], linear="first")
 
 
-register("conv_general_dilated", conv_rule)
-register("reduce_window_sum", functools.partial(pool_rule, n_operands=1, linear="unary"))
-register("reduce_window_max", functools.partial(pool_rule, n_operands=1))
-register("reduce_window_min", functools.partial(pool_rule, n_operands=1))
-register("reduce_window", reduce_window_rule)
+register("conv_general_dilated", conv_rule, partition=partition.conv_rule)
+register("reduce_window_sum", functools.partial(pool_rule, n_operands=1, linear="unary"),
+         partition=partition.pool_rule)
+register("reduce_window_max reduce_window_min", functools.partial(pool_rule, n_operands=1),
+         partition=partition.pool_rule)
+register("reduce_window", reduce_window_rule, partition=partition.pool_rule)
 # Linear in the tangents (operand 0), not in the operand that picks the winner.
-register("select_and_gather_add", functools.partial(pool_rule, n_operands=2,
-                                                    linear="first"))
-register("select_and_scatter_add", select_and_scatter_add_rule)
+register("select_and_gather_add", functools.partial(pool_rule, n_operands=2, linear="first"),
+         partition=partition.pool_rule)
+register("select_and_scatter_add", select_and_scatter_add_rule,
+         partition=partition.select_and_scatter_add_rule)

@@ -6,10 +6,13 @@ reduction: split ``k`` and each device holds a partial sum of the result.
 
 from __future__ import annotations
 
-from gshard.spmd.rules._core import FactorRule, factor_rule, letters, register, shapes
+from gshard.spmd.registry import register
+from gshard.spmd.rules._core import FactorRule, factor_rule, letters, shapes
 
 
 def dot_general_rule(in_avals, out_avals, *, dimension_numbers, **params) -> FactorRule:
+  """``f32[b,i,k] . f32[b,k,j]`` is ``bik,bkj->bij sum={k}`` (batch factors first,
+  then contracting, then free)."""
   del params
   (lc, rc), (lb, rb) = dimension_numbers
   lshape, rshape = shapes(in_avals)

@@ -10,7 +10,8 @@ import functools
 
 import jax.numpy as jnp
 
-from gshard.spmd.rules._core import FactorRule, factor_rule, letters, register, shapes
+from gshard.spmd.registry import register
+from gshard.spmd.rules._core import FactorRule, factor_rule, letters, shapes
 
 
 def elementwise_rule(in_avals, out_avals, *, linear: str = "none", **params) -> FactorRule:
@@ -38,8 +39,8 @@ def elementwise_rule(in_avals, out_avals, *, linear: str = "none", **params) -> 
 
 
 def register_elementwise(names: str, linear: str = "none") -> None:
-  for name in names.split():
-    register(name, functools.partial(elementwise_rule, linear=linear))
+  """Register each of ``names`` with :func:`elementwise_rule` (generic partition)."""
+  register(names, functools.partial(elementwise_rule, linear=linear))
 
 
 # Nonlinear maps: a pending partial sum must be resolved before them.

@@ -1,4 +1,4 @@
-"""Gather and scatter.
+"""Gather, scatter and dynamic slices.
 
 An operand dim indexed by ``gather`` with a slice of 1 (the vocabulary of an
 embedding lookup) is a ``sum`` factor: each device looks up the rows it holds,
@@ -9,8 +9,12 @@ into the operand: ``sum`` factors too.
 
 from __future__ import annotations
 
-from gshard.spmd.rules._core import FactorRule, register, shapes
-from gshard.spmd.rules.shape import _build, _Names
+import functools
+
+from gshard.spmd.partition import indexing as partition
+from gshard.spmd.registry import SAFE, register
+from gshard.spmd.rules._core import FactorRule, Factors, shapes
+from gshard.spmd.rules.shape import windowed_rule
 
 
 def gather_rule(in_avals, out_avals, *, dimension_numbers, slice_sizes,
@@ -20,25 +24,17 @@ def gather_rule(in_avals, out_avals, *, dimension_numbers, slice_sizes,
   dn = dimension_numbers
   op_shape, idx_shape = shapes(in_avals)
   (out_shape,) = shapes(out_avals)
-  new = _Names()
-  sizes, blocked, reduction = {}, [], []
+  fresh = Factors()
   op = [None] * len(op_shape)
   idx = [None] * len(idx_shape)
   out = [None] * len(out_shape)
-
-  def fresh(n, block=False):
-    f = new()
-    sizes[f] = n
-    if block:
-      blocked.append(f)
-    return f
 
   batch_out = [d for d in range(len(out_shape)) if d not in dn.offset_dims]
   idx_batch = list(range(len(idx_shape) - 1))
   for i, o in zip(idx_batch, batch_out):
     f = fresh(idx_shape[i])
     idx[i] = out[o] = (f,)
-  idx[-1] = (fresh(idx_shape[-1], block=True),)
+  idx[-1] = (fresh(idx_shape[-1], blocked=True),)
   for ob, ib in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
     op[ob] = idx[ib]
   offset_op = [d for d in range(len(op_shape))
@@ -47,14 +43,12 @@ def gather_rule(in_avals, out_avals, *, dimension_numbers, slice_sizes,
     if slice_sizes[d] == op_shape[d]:
       op[d] = out[o] = (fresh(op_shape[d]),)
     else:
-      op[d] = (fresh(op_shape[d], block=True),)
-      out[o] = (fresh(out_shape[o], block=True),)
+      op[d] = (fresh(op_shape[d], blocked=True),)
+      out[o] = (fresh(out_shape[o], blocked=True),)
   for d in dn.collapsed_slice_dims:
-    f = fresh(op_shape[d], block=d not in dn.start_index_map)
-    if d in dn.start_index_map:
-      reduction.append(f)
-    op[d] = (f,)
-  return _build([op, idx], [out], sizes, blocked=blocked, reduction=reduction)
+    indexed = d in dn.start_index_map
+    op[d] = (fresh(op_shape[d], blocked=not indexed, reduction=indexed),)
+  return fresh.rule([op, idx], [out])
 
 
 def scatter_rule(in_avals, out_avals, *, dimension_numbers, kind: str,
@@ -64,16 +58,7 @@ def scatter_rule(in_avals, out_avals, *, dimension_numbers, kind: str,
   del params
   dn = dimension_numbers
   op_shape, idx_shape, upd_shape = shapes(in_avals)[:3]
-  new = _Names()
-  sizes, blocked, reduction = {}, [], []
-
-  def fresh(n, block=False):
-    f = new()
-    sizes[f] = n
-    if block:
-      blocked.append(f)
-    return f
-
+  fresh = Factors()
   op = [(fresh(n),) for n in op_shape]
   idx = [None] * len(idx_shape)
   upd = [None] * len(upd_shape)
@@ -84,23 +69,49 @@ def scatter_rule(in_avals, out_avals, *, dimension_numbers, kind: str,
       ob = dn.operand_batching_dims[list(dn.scatter_indices_batching_dims).index(i)]
       idx[i] = upd[u] = op[ob]
     else:
-      f = fresh(idx_shape[i], block=kind != "add")
-      if kind == "add":
-        reduction.append(f)
+      f = fresh(idx_shape[i], blocked=kind != "add", reduction=kind == "add")
       idx[i] = upd[u] = (f,)
-  idx[-1] = (fresh(idx_shape[-1], block=True),)
+  idx[-1] = (fresh(idx_shape[-1], blocked=True),)
   window_op = [d for d in range(len(op_shape))
                if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
   for d, u in zip(window_op, dn.update_window_dims):
     if upd_shape[u] == op_shape[d]:
       upd[u] = op[d]
     else:
-      upd[u] = (fresh(upd_shape[u], block=True),)
-  return _build([op, idx, upd], [op], sizes, blocked=blocked, reduction=reduction)
+      upd[u] = (fresh(upd_shape[u], blocked=True),)
+  return fresh.rule([op, idx, upd], [op])
 
 
-register("gather", gather_rule)
-for _name, _kind in (("scatter-add", "add"), ("scatter_add", "add"), ("scatter", "set"),
-                     ("scatter-mul", "mul"), ("scatter-min", "min"),
+def dynamic_slice_rule(in_avals, out_avals, *, slice_sizes, **params) -> FactorRule:
+  """A dim read whole shares its factor; a sliced dim is blocked (the partition
+  rule still reads along a split one: a masked local read and a pending sum)."""
+  del params
+  op_shape = in_avals[0].shape
+  keep = [s == n for s, n in zip(slice_sizes, op_shape)]
+  return windowed_rule(in_avals, out_avals, keep, linear="unary")
+
+
+def dynamic_update_slice_rule(in_avals, out_avals, **params) -> FactorRule:
+  """Operand and result share every factor; the update shares the dims it covers."""
+  del params
+  op_shape, upd_shape, *idx = shapes(in_avals)
+  new = Factors()
+  op, upd = [], []
+  for n, m in zip(op_shape, upd_shape):
+    f = new(n)
+    op.append((f,))
+    upd.append((f,) if n == m else (new(m),))
+  return new.rule([op, upd] + [[] for _ in idx], [op])
+
+
+
+register("gather", gather_rule, partition=partition.gather_rule)
+register("scatter-add", functools.partial(scatter_rule, kind="add"),
+         partition=partition.scatter_add_rule)
+# Scatters that overwrite or combine by mul/min/max: gathered, with a warning.
+for _name, _kind in (("scatter", "set"), ("scatter-mul", "mul"), ("scatter-min", "min"),
                      ("scatter-max", "max")):
-  register(_name, lambda *a, _k=_kind, **p: scatter_rule(*a, kind=_k, **p))
+  register(_name, functools.partial(scatter_rule, kind=_kind), partition=SAFE)
+register("dynamic_slice", dynamic_slice_rule, partition=partition.dynamic_slice_rule)
+register("dynamic_update_slice", dynamic_update_slice_rule,
+         partition=partition.dynamic_update_slice_rule)

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import functools
 
-from gshard.spmd.rules._core import FactorRule, factor_rule, letters, register, shapes
+from gshard.spmd.partition import random as partition
+from gshard.spmd.registry import register
+from gshard.spmd.rules._core import FactorRule, factor_rule, letters, shapes
 from gshard.spmd.rules.elementwise import elementwise_rule
 
 
@@ -89,15 +91,13 @@ def bitcast_rule(in_avals, out_avals, **params) -> FactorRule:
 # around their operands and result when given ``out_sharding=`` (flax's Dropout
 # passes its input's sharding) and the arguments are mesh-committed arrays.
 # gshard chooses layouts itself, so to it ``reshard`` is the identity.
-register("reshard", functools.partial(elementwise_rule, linear="unary"))
-register("random_seed", elementwise_rule)
-register("random_clone", elementwise_rule)
-register("random_fold_in", elementwise_rule)
-register("threefry2x32", elementwise_rule)
+register("reshard", functools.partial(elementwise_rule, linear="unary"),
+         partition=partition.identity_rule)
+register("random_seed random_clone random_fold_in threefry2x32", elementwise_rule)
 register("random_wrap", functools.partial(key_data_rule, wrap=True))
 register("random_unwrap", functools.partial(key_data_rule, wrap=False))
-register("random_bits", key_expand_rule)
-register("random_split", key_expand_rule)
-register("random_gamma", gamma_rule)
-register("iota_2x32_shape", counters_rule)
+register("random_bits", key_expand_rule, partition=partition.random_bits_rule)
+register("random_split", key_expand_rule, partition=partition.random_split_rule)
+register("random_gamma", gamma_rule, partition=partition.random_gamma_rule)
+register("iota_2x32_shape", counters_rule, partition=partition.iota_2x32_shape_rule)
 register("bitcast_convert_type", bitcast_rule)

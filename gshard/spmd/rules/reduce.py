@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 
-from gshard.spmd.rules._core import FactorRule, factor_rule, letters, register, shapes
+from gshard.spmd.partition import reduce as partition
+from gshard.spmd.registry import register
+from gshard.spmd.rules._core import FactorRule, factor_rule, letters, shapes
 
 
 def reduce_rule(in_avals, out_avals, *, axes, kind: str, **params) -> FactorRule:
@@ -51,13 +53,16 @@ def top_k_rule(in_avals, out_avals, **params) -> FactorRule:
                      blocked="yz")
 
 
-for _name in ("reduce_sum",):
-  register(_name, functools.partial(reduce_rule, kind="sum"))
-for _name in ("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-              "reduce_xor", "argmax", "argmin"):
+register("reduce_sum", functools.partial(reduce_rule, kind="sum"))
+for _name in ("reduce_max", "reduce_min", "reduce_and", "reduce_or"):
+  register(_name, functools.partial(reduce_rule, kind=_name), partition=partition.combine_rule)
+for _name in ("reduce_prod", "reduce_xor"):     # a split reduced dim is gathered
   register(_name, functools.partial(reduce_rule, kind=_name))
+for _name in ("argmax", "argmin"):
+  register(_name, functools.partial(reduce_rule, kind=_name),
+           partition=partition.arg_reduce_rule)
 register("cumsum", functools.partial(along_dim_rule, dim_param="axis", linear="unary"))
-for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
-  register(_name, functools.partial(along_dim_rule, dim_param="axis"))
+register("cumprod cummax cummin cumlogsumexp",
+         functools.partial(along_dim_rule, dim_param="axis"))
 register("sort", functools.partial(along_dim_rule, dim_param="dimension"))
 register("top_k", top_k_rule)

@@ -9,29 +9,9 @@ from __future__ import annotations
 
 import math
 
-from gshard.spmd.rules._core import (FactorRule, factor_rule, letters, register,
-                                     shapes)
-
-
-class _Names:
-  """Fresh factor names, ``a``, ``b``, ... in order of request."""
-
-  def __init__(self):
-    self.i = 0
-
-  def __call__(self) -> str:
-    self.i += 1
-    return letters(1, self.i - 1)
-
-
-def _build(operands, results, sizes, *, blocked=(), reduction=(), other_reduction=(),
-           linear="none") -> FactorRule:
-  return FactorRule(
-      operands=tuple(tuple(tuple(d) for d in t) for t in operands),
-      results=tuple(tuple(tuple(d) for d in t) for t in results),
-      sizes=tuple(sorted(sizes.items())), reduction=frozenset(reduction),
-      other_reduction=frozenset(other_reduction), blocked=frozenset(blocked),
-      linear=linear)
+from gshard.spmd.partition import shape as partition
+from gshard.spmd.registry import register
+from gshard.spmd.rules._core import FactorRule, Factors, factor_rule, letters, shapes
 
 
 def broadcast_in_dim_rule(in_avals, out_avals, *, shape, broadcast_dimensions,
@@ -39,18 +19,12 @@ def broadcast_in_dim_rule(in_avals, out_avals, *, shape, broadcast_dimensions,
   """``f32[1,16] -> f32[8,4,16]`` with dims (0, 2): ``Ac->abc`` (A has size 1)."""
   del params
   (op_shape, *dyn), (out_shape,) = shapes(in_avals), shapes(out_avals)
-  new = _Names()
-  out = [new() for _ in out_shape]
-  sizes = dict(zip(out, out_shape))
+  new = Factors()
+  out = [new(n) for n in out_shape]
   op = []
   for i, d in enumerate(broadcast_dimensions):
-    if op_shape[i] == out_shape[d]:
-      op.append((out[d],))
-    else:
-      f = new()
-      sizes[f] = op_shape[i]
-      op.append((f,))
-  return _build([[*op]] + [[]] * len(dyn), [[(f,) for f in out]], sizes)
+    op.append((out[d],) if op_shape[i] == out_shape[d] else (new(op_shape[i]),))
+  return new.rule([[*op]] + [[]] * len(dyn), [[(f,) for f in out]])
 
 
 def reshape_rule(in_avals, out_avals, *, new_sizes, dimensions=None, **params) -> FactorRule:
@@ -65,18 +39,12 @@ def reshape_rule(in_avals, out_avals, *, new_sizes, dimensions=None, **params) -
   (op_shape, *dyn), (out_shape,) = shapes(in_avals), shapes(out_avals)
   if dimensions is not None:
     op_shape = tuple(op_shape[d] for d in dimensions)
-  new = _Names()
+  new = Factors()
   op: list[list[str]] = [[] for _ in op_shape]
   out: list[list[str]] = [[] for _ in out_shape]
-  sizes: dict[str, int] = {}
-  blocked: list[str] = []
 
   def own(dims, i, n, block):
-    f = new()
-    sizes[f] = n
-    dims[i].append(f)
-    if block:
-      blocked.append(f)
+    dims[i].append(new(n, blocked=block))
 
   # Size-1 dims take no part in the walk.
   for i, n in enumerate(op_shape):
@@ -94,8 +62,7 @@ def reshape_rule(in_avals, out_avals, *, new_sizes, dimensions=None, **params) -
       g = math.gcd(op_rem, out_rem)
       if g == 1:
         break
-      f = new()
-      sizes[f] = g
+      f = new(g)
       op[block_ops[a]].append(f)
       out[block_outs[b]].append(f)
       op_rem //= g
@@ -118,7 +85,7 @@ def reshape_rule(in_avals, out_avals, *, new_sizes, dimensions=None, **params) -
     for i, d in enumerate(dimensions):
       back[d] = op[i]
     op = back
-  return _build([op] + [[]] * len(dyn), [out], sizes, blocked=blocked, linear="unary")
+  return new.rule([op] + [[]] * len(dyn), [out], linear="unary")
 
 
 def _blocks(ops, outs, op_shape, out_shape):
@@ -154,108 +121,64 @@ def squeeze_rule(in_avals, out_avals, *, dimensions, **params) -> FactorRule:
   return factor_rule(f"{f}->{out}", shapes(in_avals), shapes(out_avals), linear="unary")
 
 
-def _windowed(in_avals, out_avals, keep, *, n_scalar_in=0, linear="none") -> FactorRule:
+def windowed_rule(in_avals, out_avals, keep, *, linear="none") -> FactorRule:
   """Operand 0 and result 0 share the factor of each dim where ``keep[i]``;
-  elsewhere each gets a blocked factor of its own."""
+  elsewhere each gets a blocked factor of its own. Further operands (start
+  indices, a pad value) get blocked factors.
+
+  ``slice(f32[8,16])`` to ``f32[8,4]`` is ``ab->ac blocked={bc}``.
+  """
   (op_shape, *rest), (out_shape,) = shapes(in_avals), shapes(out_avals)
-  new = _Names()
-  op, out, sizes, blocked = [], [], {}, []
+  new = Factors()
+  op, out = [], []
   for i, (n, m) in enumerate(zip(op_shape, out_shape)):
     if keep[i]:
-      f = new()
-      sizes[f] = n
+      f = new(n)
       op.append((f,))
       out.append((f,))
     else:
-      f, g = new(), new()
-      sizes[f], sizes[g] = n, m
-      blocked += [f, g]
-      op.append((f,))
-      out.append((g,))
-  others = [_scalar_dims(s, new, sizes, blocked) for s in rest]
-  return _build([op] + others, [out], sizes, blocked=blocked, linear=linear)
-
-
-def _scalar_dims(shape, new, sizes, blocked):
-  dims = []
-  for n in shape:
-    f = new()
-    sizes[f] = n
-    blocked.append(f)
-    dims.append((f,))
-  return dims
+      op.append((new(n, blocked=True),))
+      out.append((new(m, blocked=True),))
+  others = [[(new(n, blocked=True),) for n in shape] for shape in rest]
+  return new.rule([op] + others, [out], linear=linear)
 
 
 def slice_rule(in_avals, out_avals, *, start_indices, limit_indices, strides,
                **params) -> FactorRule:
+  """A dim the slice keeps whole shares its factor; a sliced one is blocked."""
   del params
   (op_shape,) = shapes(in_avals)
   strides = strides or (1,) * len(op_shape)
   keep = [s == 0 and l == n and st == 1 for s, l, st, n in
           zip(start_indices, limit_indices, strides, op_shape)]
-  return _windowed(in_avals, out_avals, keep, linear="unary")
+  return windowed_rule(in_avals, out_avals, keep, linear="unary")
 
 
 def pad_rule(in_avals, out_avals, *, padding_config, **params) -> FactorRule:
+  """An unpadded dim shares its factor; a padded one is blocked."""
   del params
   keep = [tuple(c) == (0, 0, 0) for c in padding_config]
-  return _windowed(in_avals, out_avals, keep)
+  return windowed_rule(in_avals, out_avals, keep)
 
 
 def rev_rule(in_avals, out_avals, *, dimensions, **params) -> FactorRule:
+  """An unreversed dim shares its factor; a reversed one is blocked."""
   del params
   keep = [i not in dimensions for i in range(len(in_avals[0].shape))]
-  return _windowed(in_avals, out_avals, keep, linear="unary")
-
-
-def dynamic_slice_rule(in_avals, out_avals, *, slice_sizes, **params) -> FactorRule:
-  del params
-  op_shape = in_avals[0].shape
-  keep = [s == n for s, n in zip(slice_sizes, op_shape)]
-  return _windowed(in_avals, out_avals, keep, linear="unary")
-
-
-def dynamic_update_slice_rule(in_avals, out_avals, **params) -> FactorRule:
-  """Operand and result share every factor; the update shares the dims it covers."""
-  del params
-  op_shape, upd_shape, *idx = shapes(in_avals)
-  new = _Names()
-  op, upd, sizes = [], [], {}
-  for n, m in zip(op_shape, upd_shape):
-    f = new()
-    sizes[f] = n
-    op.append((f,))
-    if n == m:
-      upd.append((f,))
-    else:
-      g = new()
-      sizes[g] = m
-      upd.append((g,))
-  return _build([op, upd] + [[] for _ in idx], [op], sizes)
+  return windowed_rule(in_avals, out_avals, keep, linear="unary")
 
 
 def _pieces_along(ins, outs, whole, dim: int, linear: str) -> FactorRule:
   """Tensors cut into pieces along ``dim`` of the ``whole`` shape: every other
   dim shares a factor; ``dim`` gets a blocked factor per tensor."""
-  new = _Names()
-  shared = [new() for _ in whole]
-  sizes = dict(zip(shared, whole))
-  blocked = []
+  new = Factors()
+  shared = [new(n) for n in whole]
 
   def dims(shape):
-    ds = []
-    for i, n in enumerate(shape):
-      if i == dim:
-        f = new()
-        sizes[f] = n
-        blocked.append(f)
-        ds.append((f,))
-      else:
-        ds.append((shared[i],))
-    return ds
+    return [(new(n, blocked=True),) if i == dim else (shared[i],)
+            for i, n in enumerate(shape)]
 
-  return _build([dims(s) for s in ins], [dims(s) for s in outs], sizes,
-                blocked=blocked, linear=linear)
+  return new.rule([dims(s) for s in ins], [dims(s) for s in outs], linear=linear)
 
 
 def concatenate_rule(in_avals, out_avals, *, dimension, **params) -> FactorRule:
@@ -266,6 +189,7 @@ def concatenate_rule(in_avals, out_avals, *, dimension, **params) -> FactorRule:
 
 
 def split_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
+  """``split(f32[2,8], sizes=(3,5), axis=1)`` is ``aB->aC,aD blocked={BCD}``."""
   del params
   ins = shapes(in_avals)
   return _pieces_along(ins, shapes(out_avals), ins[0], axis, "unary")
@@ -275,30 +199,24 @@ def stack_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
   """``stack([f32[2,3], f32[2,3]], 0)`` (``jnp.stack``) is ``ab,ab->Cab blocked={C}``."""
   del params
   ins, (out,) = shapes(in_avals), shapes(out_avals)
-  new = _Names()
-  shared = [new() for _ in ins[0]]
-  sizes = dict(zip(shared, ins[0]))
-  f = new()
-  sizes[f] = out[axis % len(out)]
+  new = Factors()
+  shared = [new(n) for n in ins[0]]
+  f = new(out[axis % len(out)], blocked=True)
   res = [(g,) for g in shared]
   res.insert(axis % len(out), (f,))
-  return _build([[(g,) for g in shared]] * len(ins), [res], sizes, blocked=[f],
-                linear="sum")
+  return new.rule([[(g,) for g in shared]] * len(ins), [res], linear="sum")
 
 
 def unstack_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
   """``unstack(f32[2,4,3], 0)`` (the transpose of stack) is ``Cab->ab,ab blocked={C}``."""
   del params
   (op,), outs = shapes(in_avals), shapes(out_avals)
-  new = _Names()
-  f = new()
-  shared = [new() for _ in outs[0]]
-  sizes = dict(zip(shared, outs[0]))
-  sizes[f] = op[axis % len(op)]
+  new = Factors()
+  f = new(op[axis % len(op)], blocked=True)
+  shared = [new(n) for n in outs[0]]
   dims = [(g,) for g in shared]
   dims.insert(axis % len(op), (f,))
-  return _build([dims], [[(g,) for g in shared]] * len(outs), sizes, blocked=[f],
-                linear="unary")
+  return new.rule([dims], [[(g,) for g in shared]] * len(outs), linear="unary")
 
 
 def iota_rule(in_avals, out_avals, **params) -> FactorRule:
@@ -313,15 +231,13 @@ register("broadcast_in_dim", broadcast_in_dim_rule)
 register("reshape", reshape_rule)
 register("transpose", transpose_rule)
 register("squeeze", squeeze_rule)
-register("slice", slice_rule)
-register("pad", pad_rule)
-register("rev", rev_rule)
-register("dynamic_slice", dynamic_slice_rule)
-register("dynamic_update_slice", dynamic_update_slice_rule)
+register("slice", slice_rule, partition=partition.slice_rule)
+register("pad", pad_rule, partition=partition.pad_rule)
+register("rev", rev_rule, partition=partition.rev_rule)
 register("concatenate", concatenate_rule)
 register("split", split_rule)
 register("stack", stack_rule)
 register("unstack", unstack_rule)
-register("iota", iota_rule)
+register("iota", iota_rule, partition=partition.iota_rule)
 # jax's uninitialised scalar (cond/scan residual placeholders in a VJP): no operands.
 register("empty2", iota_rule)

@@ -1,0 +1,121 @@
+"""Running a reshard plan inside ``jax.shard_map``, and this device's coordinates.
+
+``spmd/reshard.py`` chooses the steps; this module only executes them, one
+jax collective (or local slice / pad) per step, following jax's
+``NamedSharding``/``shard_map`` block convention: a dim split over ``(a1, a2)``
+is cut into ``|a1|*|a2|`` blocks of ``ceil(n / k)`` elements and the device at
+``(i1, i2)`` holds block ``i1*|a2| + i2``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax import lax
+
+from gshard.spmd.reshard import ReshardPlan, linear_index, shard_count
+from gshard.spmd.sharding import Axes, MeshSizes
+
+
+def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
+               mesh_sizes: MeshSizes):
+  """Run ``plan`` on this device's block; call inside ``jax.shard_map``.
+
+  Args:
+    x_local: ``plan.src.local_shape(global_shape, mesh_sizes)``.
+  Returns:
+    this device's block under ``plan.dst``, of
+    ``plan.dst.local_shape(global_shape, mesh_sizes)``.
+  """
+  want = plan.src.local_shape(global_shape, mesh_sizes)
+  if tuple(x_local.shape) != want:
+    raise ValueError(
+        f"apply_plan: the local block has shape {tuple(x_local.shape)} but "
+        f"source sharding {plan.src} of global shape {tuple(global_shape)} on "
+        f"mesh {dict(mesh_sizes)} gives local shape {want}.")
+  order = mesh_axis_order(mesh_sizes)
+  for step in plan.steps:
+    x_local = _APPLY[step.kind](x_local, step, global_shape, mesh_sizes, order)
+  assert tuple(x_local.shape) == plan.dst.local_shape(global_shape, mesh_sizes)
+  return x_local
+
+
+def mesh_axis_order(mesh_sizes: MeshSizes) -> Axes:
+  """The axis order of the enclosing mesh (ppermute numbers devices by it)."""
+  names = tuple(getattr(jax.sharding.get_abstract_mesh(), "axis_names", ()))
+  return names if names else tuple(mesh_sizes)
+
+
+def axis_name(axes: Axes):
+  """The ``axis_name`` jax collectives take: one name, or a tuple of names."""
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def linear_axis_index(axes: Axes, sizes: MeshSizes):
+  """Inside ``shard_map``: this device's block index over ``axes``, major first
+  (``i1*|a2| + i2``), a traced int32."""
+  index = np.int32(0)
+  for a in axes:
+    index = index * sizes[a] + lax.axis_index(a)
+  return index
+
+
+def _apply_slice(x, step, global_shape, sizes, order):
+  n = shard_count(step.axes, sizes)
+  size = x.shape[step.dim] // n
+  start = linear_axis_index(step.axes, sizes) * size
+  return lax.dynamic_slice_in_dim(x, start, size, axis=step.dim)
+
+
+def _apply_pad(x, step, global_shape, sizes, order):
+  """Keep the logical part of an unsplit dim, zero-pad it to ``step.length``."""
+  logical = min(global_shape[step.dim], x.shape[step.dim])
+  x = lax.slice_in_dim(x, 0, logical, axis=step.dim)
+  config = [(0, 0, 0)] * x.ndim
+  config[step.dim] = (0, step.length - logical, 0)
+  return lax.pad(x, np.zeros((), x.dtype), config)
+
+
+def _apply_all_gather(x, step, global_shape, sizes, order):
+  return lax.all_gather(x, axis_name(step.axes), axis=step.dim, tiled=True)
+
+
+def _apply_all_to_all(x, step, global_shape, sizes, order):
+  return lax.all_to_all(x, axis_name(step.axes), split_axis=step.dst_dim,
+                        concat_axis=step.src_dim, tiled=True)
+
+
+def _apply_psum(x, step, global_shape, sizes, order):
+  return lax.psum(x, axis_name(step.axes))
+
+
+def _apply_psum_scatter(x, step, global_shape, sizes, order):
+  return lax.psum_scatter(x, axis_name(step.axes), scatter_dimension=step.dim,
+                          tiled=True)
+
+
+def _apply_ppermute(x, step, global_shape, sizes, order):
+  """jax numbers a multi-axis ppermute's devices in mesh order, whatever the
+  order of ``axis_name``: renumber the plan's pairs to it."""
+  axes = tuple(sorted(step.axes, key=order.index))
+  renumber = renumbering(step.axes, axes, sizes)
+  perm = [(renumber[s], renumber[d]) for s, d in step.perm]
+  return lax.ppermute(x, axis_name(axes), perm)
+
+
+def renumbering(old: Axes, new: Axes, sizes: MeshSizes) -> list[int]:
+  """Linear index over ``old`` -> linear index over ``new`` (same axes)."""
+  out = []
+  for c in itertools.product(*(range(sizes[a]) for a in old)):
+    at = dict(zip(old, c))
+    out.append(linear_index([at[a] for a in new], [sizes[a] for a in new]))
+  return out
+
+
+_APPLY = {"slice": _apply_slice, "pad": _apply_pad,
+          "all_gather": _apply_all_gather, "all_to_all": _apply_all_to_all,
+          "psum": _apply_psum, "psum_scatter": _apply_psum_scatter,
+          "ppermute": _apply_ppermute}

@@ -1,0 +1,278 @@
+"""The factor solver: pure functions from shardings and a factor rule to a choice.
+
+Propagation (each constraint step) and the partitioner (the local plan of an
+equation) both ask one question of a :class:`FactorRule` and the tensors it
+names: which mesh axes should each factor get? This module answers it, and
+knows nothing of jaxprs, graphs or devices:
+
+- :func:`project` reads a tensor's sharding as axes per factor, and
+  :func:`unproject` turns per-factor axes back into a tensor's sharding;
+- :func:`solve` chooses axes per factor among the tensors' candidates (a
+  pinned tensor first, then the lower resharding cost in bytes, then the more
+  specific, then the earlier tensor) and gives each mesh axis to one factor;
+- :func:`reduced_axes` gives the axes of the split ``sum`` factors (a pending
+  partial sum of the result);
+- :func:`lets_through` and :func:`carried` are the one linearity table: when a
+  pending partial sum of an operand may pass to the result unresolved.
+
+A tensor here is anything with ``sharding``, ``fixed`` (dims a user pinned),
+``shape`` and ``dtype`` (:class:`Held`); ``None`` stands for a literal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from gshard.spmd import reshard
+from gshard.spmd.rules import FactorRule
+from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, is_refinement
+
+MeshSizes = Mapping[str, int]
+
+
+class Held(Protocol):
+  """What the solver reads of a tensor."""
+
+  sharding: TensorSharding
+  fixed: frozenset[int]
+  shape: tuple[int, ...]
+  dtype: Any
+
+
+def nbytes(t: Held) -> int:
+  """Global bytes of ``t`` (4 bytes per element for dtypes numpy does not know)."""
+  try:
+    itemsize = np.dtype(t.dtype).itemsize
+  except TypeError:
+    itemsize = 4
+  return math.prod(t.shape) * itemsize
+
+
+def local_nbytes(t: Held, mesh: MeshSizes) -> int:
+  """Bytes one device holds of ``t``: what resharding it roughly sends."""
+  return nbytes(t) // max(1, math.prod(mesh[a] for d in t.sharding.dims for a in d))
+
+
+# -- projection -----------------------------------------------------------------
+
+def project(dims_factors, sharding_dims, size_of, mesh) -> dict[str, Axes]:
+  """The axes each factor of a tensor holds under its sharding.
+
+  A dim of factors ``(a, b)`` split over mesh axes ``(x, y)`` gives ``a`` the
+  leading axes whose product divides its size; ``b`` gets the rest only when
+  ``a`` is split fully. ``project([("a", "b")], [("x", "y")], {"a": 2, "b": 8},
+  {"x": 2, "y": 4}) == {"a": ("x",), "b": ("y",)}``.
+  """
+  out: dict[str, Axes] = {}
+  for factors, axes in zip(dims_factors, sharding_dims):
+    rest = list(axes)
+    if len(factors) == 1:
+      if rest:
+        out[factors[0]] = tuple(rest)
+      continue
+    for f in factors:
+      take, prod = [], 1
+      while rest and size_of[f] % (prod * mesh[rest[0]]) == 0:
+        prod *= mesh[rest[0]]
+        take.append(rest.pop(0))
+      if take:
+        out[f] = tuple(take)
+      if prod != size_of[f]:
+        break
+  return out
+
+
+def unproject(dims_factors, choice, size_of, mesh) -> list[Axes]:
+  """The inverse of :func:`project`: a tensor's dims from per-factor axes.
+
+  A factor inside a compound dim keeps only the leading axes that divide it,
+  and the next factor of that dim gets axes only when this one is split fully.
+  """
+  dims = []
+  for factors in dims_factors:
+    axes: list[str] = []
+    for f in factors:
+      a = list(choice.get(f, ()))
+      if len(factors) > 1:
+        a = list(fit_axes(a, size_of[f], mesh))
+      axes += a
+      if math.prod(mesh[x] for x in a) != size_of[f]:
+        break
+    dims.append(tuple(axes))
+  return dims
+
+
+# -- choosing axes per factor ------------------------------------------------------
+
+@dataclasses.dataclass
+class Holder:
+  """One tensor's view of one factor: the axes it holds for it."""
+
+  tensor: Held
+  proj: Axes
+  fixed: bool
+  order: int
+
+
+def holders(rule: FactorRule, operands: Sequence[Held | None],
+            results: Sequence[Held | None], mesh) -> tuple[dict[str, list[Holder]], list]:
+  """Per factor, every tensor holding it; and the (tensor, dims) pairs named."""
+  size_of = rule.size_of
+  out: dict[str, list[Holder]] = {f: [] for f in rule.factors}
+  pairs = [(t, d) for t, d in zip(list(operands) + list(results),
+                                   rule.operands + rule.results) if t is not None]
+  for order, (t, dims) in enumerate(pairs):
+    proj = project(dims, t.sharding.dims, size_of, mesh)
+    for i, factors in enumerate(dims):
+      for f in factors:
+        out[f].append(Holder(t, proj.get(f, ()), i in t.fixed, order))
+  return out, pairs
+
+
+def _reshard_bytes(h: Holder, axes: Axes, mesh) -> int:
+  """Roughly what one device sends to give ``h``'s factor the split ``axes``.
+
+  Splitting further is a local slice (0), of a pinned tensor too (the op
+  reads a slice of it). Axes taken away are gathered: the local bytes times
+  their size. (An axis moving to another factor of the same tensor, an
+  all-to-all, is settled with exact plans in :func:`solve`.)
+  """
+  if axes[:len(h.proj)] == h.proj:
+    return 0
+  removed = math.prod(mesh[a] for a in h.proj if a not in axes)
+  return local_nbytes(h.tensor, mesh) * max(1, removed)
+
+
+def candidate_key(axes: Axes, hs: list[Holder], size: int, mesh) -> tuple:
+  """The order candidates are ranked in (smallest first): valid, pinned support,
+  resharding bytes, more specific, earlier tensor."""
+  fixed_exact = sum(1 for h in hs if h.fixed and h.proj == axes)
+  valid = fixed_exact > 0 or math.prod(mesh[a] for a in axes) <= size
+  cost = sum(_reshard_bytes(h, axes, mesh) for h in hs)
+  first = min((h.order for h in hs if h.proj == axes), default=len(hs))
+  return (not valid, -fixed_exact, cost, -len(axes), first)
+
+
+def choose(f: str, hs: list[Holder], rule: FactorRule, mesh) -> Axes | None:
+  """The best candidate axes for factor ``f`` (``()`` when it must stay unsplit,
+  None when no tensor proposes any)."""
+  if f in rule.blocked or rule.size_of[f] == 1:
+    return ()
+  cands = {h.proj for h in hs if h.proj or h.fixed}
+  if not cands:
+    return None
+  return min(sorted(cands), key=lambda a: candidate_key(a, hs, rule.size_of[f], mesh))
+
+
+def solve(rule: FactorRule, operands: Sequence[Held | None],
+          results: Sequence[Held | None], mesh) -> dict[str, Axes]:
+  """Per-factor axes for one rule over these tensors, each mesh axis given to one
+  factor (the better supported one; a contested axis goes where it sends fewer
+  bytes, by exact reshard plans)."""
+  hold, pairs = holders(rule, operands, results, mesh)
+  choice: dict[str, Axes] = {}
+  strength = {}
+  for f in rule.factors:
+    c = choose(f, hold[f], rule, mesh)
+    if c is None:
+      continue
+    choice[f] = c
+    hs = hold[f]
+    strength[f] = (-sum(1 for h in hs if h.fixed and h.proj == c),
+                   -sum(local_nbytes(h.tensor, mesh) for h in hs if h.proj == c and c),
+                   rule.factors.index(f))
+  owner: dict[str, str] = {}          # mesh axis -> the factor holding it
+  done: dict[str, Axes] = {}
+  for f in sorted(choice, key=lambda f: strength[f]):
+    keep: list[str] = []
+    for a in choice[f]:
+      g = owner.get(a)
+      if g is not None:
+        # Two factors want one axis: keep the assignment that sends less.
+        stay = {**done, f: tuple(keep)}
+        cut = done[g][:done[g].index(a)]
+        take = {**done, g: cut, f: tuple(keep) + (a,)}
+        if _assignment_bytes(take, pairs, rule, mesh) < _assignment_bytes(stay, pairs, rule,
+                                                                          mesh):
+          for b in done[g][len(cut):]:
+            owner.pop(b, None)
+          done[g] = cut
+        else:
+          break
+      keep.append(a)
+      owner[a] = f
+    done[f] = tuple(keep)
+  return done
+
+
+def _assignment_bytes(choice, pairs, rule: FactorRule, mesh) -> float:
+  """Bytes per device to bring every tensor to ``choice`` (refinements free)."""
+  total = 0.0
+  for t, dims in pairs:
+    new = TensorSharding(tuple(unproject(dims, choice, rule.size_of, mesh)))
+    cur = t.sharding.without_partial()
+    if new == cur or (not t.fixed and is_refinement(cur, new)):
+      continue
+    try:
+      total += reshard.plan_reshard(cur, new, t.shape, t.dtype, mesh).bytes_per_device
+    except (ValueError, TypeError):
+      total += nbytes(t)
+  return total
+
+
+def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> frozenset[str]:
+  """Axes of the split ``sum`` factors, as the operands hold them: the result of
+  the local op is a partial sum over these."""
+  if not rule.reduction:
+    return frozenset()
+  hold, _ = holders(rule, operands, [], mesh)
+  partial: set[str] = set()
+  for f in rule.reduction:
+    hs = hold[f]
+    c = choose(f, hs, rule, mesh) if hs else None
+    partial.update(c or ())
+  return frozenset(partial)
+
+
+# -- the linearity table ---------------------------------------------------------
+# How a pending partial sum of an operand may pass to the result unresolved.
+# ``partials`` lists each operand's pending axes, None for a literal (which is
+# complete: ``x + 1.0`` with ``x`` pending is not a partial sum, every device
+# would add the 1.0).
+#   "none":    never: it is resolved before the op.
+#   "unary":   linear in its one operand (neg, transpose, reshape, reduce_sum ...).
+#   "sum":     add-like: every operand has the same pending axes.
+#   "product": bilinear (mul): exactly one operand is pending.
+#   "first":   linear in operand 0 only (div): the others are complete.
+
+def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int) -> bool:
+  """Whether operand ``i``'s pending sum passes to the result of the op."""
+  live = [p for p in partials if p is not None]
+  if linear == "unary":
+    return len(live) == 1
+  if linear == "sum":
+    return all((p or frozenset()) == live[0] for p in partials)
+  if linear == "product":
+    return sum(1 for p in live if p) == 1
+  if linear == "first":
+    return i == 0 and not any(live[1:])
+  return False
+
+
+def carried(linear: str, partials: Sequence[frozenset[str] | None]) -> frozenset[str]:
+  """The pending axes the result inherits from its operands."""
+  live = [p for p in partials if p is not None]
+  if linear == "unary" and len(live) == 1:
+    return live[0]
+  if linear == "sum" and live and all((p or frozenset()) == live[0] for p in partials):
+    return live[0]
+  if linear == "product" and sum(1 for p in live if p) == 1:
+    return next(p for p in live if p)
+  if linear == "first" and partials and partials[0] is not None and not any(live[1:]):
+    return partials[0]
+  return frozenset()

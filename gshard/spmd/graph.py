@@ -1,0 +1,179 @@
+"""The graph propagation works on: a tensor per variable, a bound constraint per rule.
+
+``Graph(jaxpr, mesh_sizes)`` walks a jaxpr and every nested jaxpr. It makes a
+:class:`Tensor` for each variable, keyed by ``(scope, var)`` (a scope is the
+path of ``(eqn index, param path)`` from the top), each starting replicated;
+and a :class:`Bound` for each constraint of each equation's sharding rule (from
+the registry), in program order. Constraints that read an inner jaxpr's
+outvars come after that jaxpr's own equations, so the list order is a valid
+program order. Pins (annotations, ``in_specs``) fix tensors' shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from gshard.spmd import factors, registry
+from gshard.spmd.rules import Constraint, FactorRule, Ref, as_op_rule
+from gshard.spmd.sharding import TensorSharding, mesh_str
+
+Scope = tuple          # path of (eqn index, param path) from the top jaxpr
+
+
+@dataclasses.dataclass(eq=False)
+class Tensor:
+  """A variable of the program (in some scope) and its current sharding."""
+
+  scope: Scope
+  var: Any
+  shape: tuple[int, ...]
+  dtype: Any
+  sharding: TensorSharding
+  fixed: frozenset[int] = frozenset()   # dims pinned by the user
+  pinned_by: str | None = None          # what pinned it: an annotation's source
+
+  @property
+  def nbytes(self) -> int:
+    """Global bytes of the value."""
+    return factors.nbytes(self)
+
+  def describe(self) -> str:
+    """``var:f32[8@data,16]``: the variable with its sharding."""
+    return f"{self.var}:{self.sharding.format(self.shape, self.dtype)}"
+
+
+@dataclasses.dataclass(eq=False)
+class Bound:
+  """A constraint bound to the tensors of one equation."""
+
+  rule: FactorRule
+  operands: list[Tensor | None]
+  results: list[Tensor | None]
+  eqn: Any
+  scope: Scope
+
+
+def source_of(eqn) -> str:
+  """The user's ``file:line`` of ``eqn`` (jax's traceback filtering applied)."""
+  return source_info_util.summarize(eqn.source_info)
+
+
+# -- building the graph ------------------------------------------------------
+
+def sub_jaxprs(params: Mapping[str, Any]) -> list[tuple[tuple, Any]]:
+  """(param path, open Jaxpr) for every jaxpr in an equation's params."""
+  out = []
+  for k, v in params.items():
+    for path, j in _jaxprs_in(v, (k,)):
+      out.append((path, j))
+  return out
+
+
+def _jaxprs_in(v, path):
+  if isinstance(v, ClosedJaxpr):
+    yield path, v.jaxpr
+  elif isinstance(v, Jaxpr):
+    yield path, v
+  elif isinstance(v, (tuple, list)):
+    for i, x in enumerate(v):
+      if isinstance(x, (ClosedJaxpr, Jaxpr)):
+        yield from _jaxprs_in(x, path + (i,))
+
+
+class Graph:
+  """Every tensor of a jaxpr (nested ones included) and every bound constraint."""
+
+  def __init__(self, jaxpr, mesh_sizes: Mapping[str, int]):
+    self.mesh_sizes = dict(mesh_sizes)
+    self.tensors: dict[tuple[Scope, Any], Tensor] = {}
+    self.bounds: list[Bound] = []
+    self.unsupported: list[tuple[str, str]] = []
+    self.top = jaxpr
+    self._walk(jaxpr, ())
+
+  def tensor(self, scope: Scope, var) -> Tensor | None:
+    """The tensor of ``var`` in ``scope`` (made on first use); None for a literal or a dropped result."""
+    if isinstance(var, Literal) or type(var).__name__ == "DropVar":
+      return None
+    key = (scope, var)
+    t = self.tensors.get(key)
+    if t is None:
+      aval = var.aval
+      shape = tuple(getattr(aval, "shape", ()))
+      t = Tensor(scope, var, shape, getattr(aval, "dtype", None),
+                 TensorSharding.replicated(len(shape)))
+      self.tensors[key] = t
+    return t
+
+  def _walk(self, jaxpr, scope: Scope, outer_source: str = "") -> None:
+    # Equations jax's own code emits (inside jnp's nested jits) have no user
+    # frame: they are reported at the user's call of the enclosing equation.
+    for v in list(jaxpr.constvars) + list(jaxpr.invars):
+      self.tensor(scope, v)
+    for idx, eqn in enumerate(jaxpr.eqns):
+      subs = {path: j for path, j in sub_jaxprs(eqn.params)}
+      rule_fn = registry.sharding_rule(eqn.primitive.name)
+      src = source_of(eqn) or outer_source
+      for v in eqn.outvars:
+        self.tensor(scope, v)
+      if rule_fn is None:
+        self.unsupported.append((eqn.primitive.name, src))
+        for path, j in subs.items():
+          self._walk(j, scope + ((idx, path),), src)
+        continue
+      in_avals = [v.aval for v in eqn.invars]
+      out_avals = [v.aval for v in eqn.outvars]
+      try:
+        op_rule = as_op_rule(rule_fn(in_avals, out_avals, **eqn.params),
+                             len(in_avals), len(out_avals))
+      except NotImplementedError:   # a case the rule does not cover: no constraint
+        self.unsupported.append((eqn.primitive.name, src))
+        for path, j in subs.items():
+          self._walk(j, scope + ((idx, path),), src)
+        continue
+
+      def resolve(ref: Ref):
+        kind, path, i = ref
+        if kind == "in":
+          return self.tensor(scope, eqn.invars[i])
+        if kind == "out":
+          return self.tensor(scope, eqn.outvars[i])
+        inner = subs[path]
+        var = inner.invars[i] if kind == "sub_in" else inner.outvars[i]
+        return self.tensor(scope + ((idx, path),), var)
+
+      def bind(c: Constraint) -> Bound:
+        return Bound(c.rule, [resolve(r) for r in c.operands],
+                     [resolve(r) for r in c.results], eqn, scope)
+
+      def reads_inner_out(c: Constraint) -> bool:
+        return any(r[0] == "sub_out" for r in c.operands + c.results)
+
+      self.bounds += [bind(c) for c in op_rule.constraints if not reads_inner_out(c)]
+      for path, j in subs.items():
+        self._walk(j, scope + ((idx, path),), src)
+      self.bounds += [bind(c) for c in op_rule.constraints if reads_inner_out(c)]
+      for pin in op_rule.pins:
+        t = resolve(pin.ref)
+        if t is not None:   # a dropped result (DropVar) needs no sharding
+          self.pin(t, pin.sharding, pin.open_dims, f"annotation at {src}")
+
+  def pin(self, t: Tensor, sharding: TensorSharding, open_dims: frozenset[int],
+          what: str) -> None:
+    """Fix ``t``'s sharding (an annotation, ``in_specs``): dims not in ``open_dims`` never change.
+
+    ``what`` names the pin in errors (``in_specs[0]['w']``, ``annotation at model.py:12``)."""
+    for a in sorted(sharding.axes):
+      if a not in self.mesh_sizes:
+        raise ValueError(
+            f"{what}: the value is {sharding.format(t.shape, t.dtype)}; mesh "
+            f"axis {a!r} is not in the mesh {mesh_str(self.mesh_sizes)}. Use one of "
+            f"{list(self.mesh_sizes)}.")
+    t.sharding = sharding.without_partial()
+    t.fixed = frozenset(range(len(t.shape))) - frozenset(open_dims)
+    t.pinned_by = what

@@ -1,0 +1,317 @@
+"""The generic partition rule: the primitive itself, on local shapes.
+
+Most primitives need no partition code of their own. :func:`plan_local` reads
+the primitive's factor rule (the one propagation used), picks per factor the
+mesh axes to compute with (propagation's choice, or where the operands are,
+whichever sends fewer bytes), and gives the operand and result shardings that
+implies; :func:`bind_local` reshards the operands to them, masks the padding of
+unevenly split reduced dims with the reduction's identity, rewrites
+shape-carrying params to local shapes and binds the primitive. A result is
+pending (a partial sum) over the axes of its split ``sum`` factors and those a
+linear op lets through. Rules of their own (``partition/X.py``) build on the
+same two functions. :func:`safe_rule` is the safe path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gshard.spmd import factors, registry, reshard
+from gshard.spmd.partition.context import Context, Value
+from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
+from gshard.spmd.sharding import TensorSharding, fit_axes
+
+
+@dataclasses.dataclass
+class LocalPlan:
+  """How one equation runs per device."""
+
+  rule: FactorRule
+  choice: dict[str, tuple[str, ...]]
+  operands: list[TensorSharding | None]   # None for literals
+  results: list[TensorSharding]
+
+
+def factor_rule_of(eqn) -> FactorRule:
+  """The factor rule of ``eqn`` (a single-constraint OpRule is unwrapped)."""
+  r = registry.sharding_rule(eqn.primitive.name)(
+      [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars], **eqn.params)
+  if isinstance(r, OpRule) and len(r.constraints) == 1:
+    c = r.constraints[0]
+    if c.operands == tuple(IN(i) for i in range(len(eqn.invars))) and \
+        c.results == tuple(OUT(i) for i in range(len(eqn.outvars))):
+      r = c.rule
+  if not isinstance(r, FactorRule):
+    raise TypeError(f"{eqn.primitive.name}: generic partitioning needs a FactorRule")
+  return r
+
+
+def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(),
+               allow_other_reduction=False) -> LocalPlan:
+  """Per-factor axes for the local op, and the operand/result shardings they imply.
+
+  Two candidates: the factor axes propagation settled on for the whole
+  equation, and those its operands hold (compute where the data is, then
+  reshard the result: GShard's einsum option (a), which turns a split moving
+  from G to E in MoE dispatch into one all-to-all instead of gathering the
+  operands). The one that sends fewer bytes wins; ties go to the first.
+  """
+  rule = factor_rule_of(eqn)
+  g = ctx.graph
+  operands = [g.tensor(scope, v) for v in eqn.invars]
+  results = [g.tensor(scope, v) for v in eqn.outvars]
+  candidates = [factors.solve(rule, operands, results, ctx.mesh_sizes)]
+  if any(r is not None for r in results):
+    candidates.append(factors.solve(rule, operands, [None] * len(results), ctx.mesh_sizes))
+  plans = [_plan_for(ctx, eqn, ins, scope, rule, c, blocked, allow_other_reduction)
+           for c in candidates]
+  if len(plans) == 1:
+    return plans[0]
+  costs = [_plan_cost(ctx, eqn, ins, scope, p) for p in plans]
+  return plans[costs.index(min(costs))]
+
+
+def _plan_cost(ctx: Context, eqn, ins, scope, plan: LocalPlan) -> int:
+  """Bytes per device to reshard operands into ``plan`` and results out of it."""
+  total = 0
+  for v, s in zip(ins, plan.operands):
+    if s is not None and v.sharding != s:
+      total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype,
+                                         ctx.mesh_sizes).bytes_per_device
+  for var, s in zip(eqn.outvars, plan.results):
+    if type(var).__name__ == "DropVar":
+      continue
+    t = ctx.target(scope, var)
+    if t != s:
+      try:
+        total += reshard.plan_reshard(s, t, tuple(var.aval.shape), var.aval.dtype,
+                                           ctx.mesh_sizes).bytes_per_device
+      except ValueError:   # would need to create a partial sum: not a candidate
+        return 1 << 62
+  return total
+
+
+def _plan_for(ctx: Context, eqn, ins, scope, rule: FactorRule, choice, blocked,
+              allow_other_reduction) -> LocalPlan:
+  choice = dict(choice)
+  sizes = rule.size_of
+  compound = {f for dims in rule.operands + rule.results for d in dims if len(d) > 1
+              for f in d}
+  for f in rule.factors:
+    axes = list(choice.get(f, ()))
+    if f in rule.blocked or f in blocked or (
+        f in rule.other_reduction and not allow_other_reduction):
+      axes = []
+    # An uneven split is padded; a factor inside a compound dim must be even.
+    if f in compound:
+      axes = fit_axes(axes, sizes[f], ctx.mesh_sizes)
+    choice[f] = tuple(axes)
+  _drop_inexpressible(choice, [d for v, d in zip(ins, rule.operands) if not v.literal]
+                      + list(rule.results), sizes, ctx.mesh_sizes)
+  # A pending partial sum passes through a linear op; otherwise it is resolved.
+  partials = [None if v.literal else v.sharding.partial for v in ins]
+  passes = any(partials) and all(factors.lets_through(rule.linear, partials, i)
+                                 for i, p in enumerate(partials) if p)
+  operands: list[TensorSharding | None] = []
+  for v, dims in zip(ins, rule.operands):
+    if v.literal:
+      operands.append(None)
+      continue
+    d = tuple(factors.unproject(dims, choice, sizes, ctx.mesh_sizes))
+    used = {a for x in d for a in x}
+    partial = (v.sharding.partial - used) if passes else frozenset()
+    operands.append(TensorSharding(d, partial))
+  carried = frozenset().union(*[o.partial for o in operands if o is not None])
+  reduced = frozenset(a for f in rule.reduction for a in choice.get(f, ()))
+  results = []
+  for dims in rule.results:
+    d = tuple(factors.unproject(dims, choice, sizes, ctx.mesh_sizes))
+    used = {a for x in d for a in x}
+    results.append(TensorSharding(d, (carried | reduced) - used))
+  return LocalPlan(rule, choice, operands, results)
+
+
+def _drop_inexpressible(choice, tensors, sizes, mesh_sizes) -> None:
+  """Unsplit each factor that some operand or result cannot hold as chosen.
+
+  A compound dim holds its minor factor's split only when its major factors
+  are split fully: reshape ``f32[2,8] -> f32[16]`` (``ab->(ab)``) with ``b``
+  over 8 devices would leave the operand ``[_,x]`` but the result unsplit,
+  and the local reshape ``(2,1) -> (16,)`` would be wrong. Edits ``choice``.
+  """
+  changed = True
+  while changed:
+    changed = False
+    for dims in tensors:
+      got = factors.project(dims, factors.unproject(dims, choice, sizes, mesh_sizes), sizes, mesh_sizes)
+      for f in sorted({f for d in dims for f in d}):
+        if choice.get(f) and got.get(f, ()) != choice[f]:
+          choice[f] = ()
+          changed = True
+
+
+def local_params(eqn, out_local_shapes, in_local_shapes) -> dict:
+  """The equation's params with shape-carrying ones made per-device."""
+  params = dict(eqn.params)
+  for k in ("sharding", "out_sharding"):
+    if k in params:
+      params[k] = None
+  fix = _LOCAL_PARAMS.get(eqn.primitive.name)
+  if fix is not None:
+    params = fix(params, out_local_shapes, in_local_shapes, eqn)
+  return params
+
+
+def _shape_param(name):
+  def fix(params, outs, ins, eqn):
+    params[name] = tuple(outs[0])
+    return params
+  return fix
+
+
+def _slice_params(params, outs, ins, eqn):
+  full = eqn.invars[0].aval.shape
+  params["limit_indices"] = tuple(
+      ins[0][i] if (s == 0 and l == n and (not params["strides"] or params["strides"][i] == 1))
+      else l for i, (s, l, n) in enumerate(zip(params["start_indices"],
+                                              params["limit_indices"], full)))
+  return params
+
+
+def _dynamic_slice_params(params, outs, ins, eqn):
+  params["slice_sizes"] = tuple(outs[0])
+  return params
+
+
+def _gather_params(params, outs, ins, eqn):
+  full = eqn.invars[0].aval.shape
+  params["slice_sizes"] = tuple(
+      ins[0][i] if s == n else s for i, (s, n) in enumerate(zip(params["slice_sizes"], full)))
+  return params
+
+
+_LOCAL_PARAMS = {
+    "broadcast_in_dim": _shape_param("shape"),
+    "reshape": _shape_param("new_sizes"),
+    "iota": _shape_param("shape"),
+    "slice": _slice_params,
+    "dynamic_slice": _dynamic_slice_params,
+    "gather": _gather_params,
+}
+
+
+_MAX_LIKE = {"reduce_max", "argmax"}
+_MIN_LIKE = {"reduce_min", "argmin"}
+
+
+def reduction_identity(name: str, dtype):
+  """The value padding must hold so that reducing it changes nothing."""
+  dtype = np.dtype(dtype)
+  if name in _MAX_LIKE or name in _MIN_LIKE:
+    low = name in _MAX_LIKE
+    if dtype == np.bool_:
+      return not low
+    if jnp.issubdtype(dtype, jnp.inexact):
+      return -np.inf if low else np.inf
+    info = jnp.iinfo(dtype)
+    return info.min if low else info.max
+  if name == "reduce_and":
+    return True
+  if name == "reduce_prod":
+    return 1
+  return 0
+
+
+def mask_padding(ctx: Context, eqn, plan: LocalPlan, xs: list) -> list:
+  """Fill the padding of unevenly split reduced dims with the reduction's identity.
+
+  A dim of 30 split 4 ways holds 8 rows per device, the last 2 of the last
+  device being padding; before a sum (or a contraction) over that dim they
+  must be 0, before a max -inf.
+  """
+  rule, sizes = plan.rule, plan.rule.size_of
+  uneven = {}
+  for f in rule.reduction | rule.other_reduction:
+    axes = plan.choice.get(f, ())
+    if axes and sizes[f] % math.prod(ctx.mesh_sizes[a] for a in axes):
+      uneven[f] = axes
+  if not uneven:
+    return xs
+  out = []
+  for x, dims, s in zip(xs, rule.operands, plan.operands):
+    mask = None
+    if s is not None:
+      for d, fs in enumerate(dims):
+        if len(fs) == 1 and fs[0] in uneven:
+          n = sizes[fs[0]]
+          local = np.shape(x)[d]
+          idx = ctx.linear_index(uneven[fs[0]]) * local + lax.iota(jnp.int32, local)
+          m = lax.broadcast_in_dim(idx < n, np.shape(x), (d,))
+          mask = m if mask is None else (mask & m)
+    if mask is not None:
+      fill = reduction_identity(eqn.primitive.name, x.dtype)
+      x = jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+    out.append(x)
+  return out
+
+
+def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> list[Value]:
+  """Reshard ``ins`` to ``plan``'s operands, mask padding, bind the primitive on
+  local values with local shape params; the results' values (shapes checked)."""
+  xs = []
+  for j, (v, s) in enumerate(zip(ins, plan.operands)):
+    if s is None:
+      xs.append(v.x)
+    else:
+      xs.append(ctx.reshard(v, s, eqn, f"operand {j}").x)
+  xs = mask_padding(ctx, eqn, plan, xs)
+  out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+  out_local = [s.local_shape(sh, ctx.mesh_sizes) for s, sh in zip(plan.results, out_shapes)]
+  in_local = [tuple(np.shape(x)) for x in xs]
+  params = local_params(eqn, out_local, in_local)
+  if eqn.primitive.name == "reshape" and math.prod(in_local[0]) != math.prod(out_local[0]):
+    raise AssertionError(
+        f"gshard internal error: local reshape {in_local[0]} -> {out_local[0]} changes "
+        f"the element count (global {eqn.invars[0].aval.shape} -> {out_shapes[0]}, "
+        f"operand {plan.operands[0]}, result {plan.results[0]}).")
+  outs = eqn.primitive.bind(*xs, **params)
+  outs = list(outs) if eqn.primitive.multiple_results else [outs]
+  for o, want, s in zip(outs, out_local, plan.results):
+    if tuple(np.shape(o)) != tuple(want):
+      raise AssertionError(
+          f"gshard internal error: {eqn.primitive.name} gave local shape "
+          f"{tuple(np.shape(o))}, expected {want} for sharding {s}.")
+  return [Value(o, s, sh, v.aval.dtype)
+          for o, s, sh, v in zip(outs, plan.results, out_shapes, eqn.outvars)]
+
+
+def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """The primitive itself on local shapes, from its factor rule (``plan_local``)."""
+  try:
+    factor_rule_of(eqn)
+  except NotImplementedError:   # a case the sharding rule does not cover
+    return safe_rule(ctx, eqn, ins, scope, idx)
+  plan = plan_local(ctx, eqn, ins, scope)
+  return bind_local(ctx, eqn, plan, ins)
+
+
+def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """The safe path: gather every operand, compute replicated, results replicated."""
+  del scope, idx
+  ctx.fallback(eqn, "no rule" if registry.sharding_rule(eqn.primitive.name) is None
+               else "no local form")
+  first = len(ctx.recorder.collectives)
+  xs = [v.x if v.literal else
+        ctx.reshard(v, TensorSharding.replicated(len(v.shape)), eqn, f"operand {j}").x
+        for j, v in enumerate(ins)]
+  cols = ctx.recorder.collectives     # the safe path's gathers are reported as such
+  cols[first:] = [dataclasses.replace(c, fallback=True) for c in cols[first:]]
+  outs = eqn.primitive.bind(*xs, **eqn.params)
+  outs = list(outs) if eqn.primitive.multiple_results else [outs]
+  return [Value(o, TensorSharding.replicated(len(v.aval.shape)), tuple(v.aval.shape),
+                v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
