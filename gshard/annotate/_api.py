@@ -155,6 +155,10 @@ def split(x, dim: int, axis: str | tuple[str, ...]):
   if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
     raise TypeError(f"split(x, dim={dim!r}, axis={axis!r}): dim must be an int, got "
                     f"{type(dim).__name__}.")
+  if rank == 0:
+    raise ValueError(
+        f"{call}: x is a scalar ({_describe(x)}): it has no dim to split. "
+        "Use gshard.replicate(x), or drop the annotation.")
   if not -rank <= dim < rank:
     raise ValueError(
         f"{call}: x is {_describe(x)} (rank {rank}); dim must be in "

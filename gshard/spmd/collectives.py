@@ -10,9 +10,11 @@ is cut into ``|a1|*|a2|`` blocks of ``ceil(n / k)`` elements and the device at
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -36,10 +38,14 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
         f"apply_plan: the local block has shape {tuple(x_local.shape)} but "
         f"source sharding {plan.src} of global shape {tuple(global_shape)} on "
         f"mesh {dict(mesh_sizes)} gives local shape {want}.")
+  dtype = x_local.dtype
+  if math.prod(global_shape) == 0:      # no data: every layout is the empty block
+    return jnp.zeros(plan.dst.local_shape(global_shape, mesh_sizes), dtype)
   order = mesh_axis_order(mesh_sizes)
   for step in plan.steps:
     x_local = _APPLY[step.kind](x_local, step, global_shape, mesh_sizes, order)
   assert tuple(x_local.shape) == plan.dst.local_shape(global_shape, mesh_sizes)
+  assert x_local.dtype == dtype, (plan, dtype, x_local.dtype)
   return x_local
 
 
@@ -89,10 +95,18 @@ def _apply_all_to_all(x, step, global_shape, sizes, order):
 
 
 def _apply_psum(x, step, global_shape, sizes, order):
+  """Resolve a pending sum. Its combine keeps the dtype and the meaning of the
+  unpartitioned op: a partial "sum" of bools (a dot, gather or masked slice of
+  bools) is an OR, run as a max over uint8; integers wrap around as they would."""
+  if x.dtype == np.bool_:
+    return lax.pmax(x.astype(np.uint8), axis_name(step.axes)).astype(np.bool_)
   return lax.psum(x, axis_name(step.axes))
 
 
 def _apply_psum_scatter(x, step, global_shape, sizes, order):
+  if x.dtype == np.bool_:
+    raise ValueError("gshard internal error: a reshard plan scatters a bool pending sum "
+                     "(plans psum bools, then slice)")
   return lax.psum_scatter(x, axis_name(step.axes), scatter_dimension=step.dim,
                           tiled=True)
 

@@ -155,13 +155,25 @@ class Graph:
         return any(r[0] == "sub_out" for r in c.operands + c.results)
 
       self.bounds += [bind(c) for c in op_rule.constraints if not reads_inner_out(c)]
-      for path, j in subs.items():
+      for path, j in (subs.items() if op_rule.walk_inner else ()):
         self._walk(j, scope + ((idx, path),), src)
       self.bounds += [bind(c) for c in op_rule.constraints if reads_inner_out(c)]
       for pin in op_rule.pins:
         t = resolve(pin.ref)
-        if t is not None:   # a dropped result (DropVar) needs no sharding
-          self.pin(t, pin.sharding, pin.open_dims, f"annotation at {src}")
+        what = f"{pin.what} at {src}"
+        if pin.mesh is not None:
+          self.check_mesh(dict(pin.mesh), what)
+        if t is not None and not (pin.soft and t.fixed):   # a DropVar needs no sharding
+          self.pin(t, pin.sharding, pin.open_dims, what)
+
+  def check_mesh(self, mesh: Mapping[str, int], what: str) -> None:
+    """A construct naming its own mesh (``with_sharding_constraint``, ``shard_map``)
+    must name the one being partitioned over."""
+    if dict(mesh) != self.mesh_sizes:
+      raise ValueError(
+          f"{what}: it names the mesh {mesh_str(mesh)} but gshard partitions over the "
+          f"mesh {mesh_str(self.mesh_sizes)}. Build it with the mesh given to "
+          "gshard.partition (same axis names and sizes), or use gshard.shard.")
 
   def pin(self, t: Tensor, sharding: TensorSharding, open_dims: frozenset[int],
           what: str) -> None:

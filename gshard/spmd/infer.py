@@ -9,6 +9,7 @@ program's inputs (and outputs), and propagates: a :class:`ShardingResult`.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,6 +150,45 @@ class ShardingResult:
     return text
 
 
+_UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
+MAX_BOUND_NAMES = 8
+
+
+def bind_axis_names(fn: Callable, names: Sequence[str]) -> Callable:
+  """``fn`` with the named axes ``names`` bound, each of size 1.
+
+  pmap-style code (``lax.pmean(grads, "batch")`` written for ``jax.pmap``)
+  names an axis that only pmap binds. Run without pmap, a collective over a
+  size-1 axis is an identity (``pmean``/``psum`` of one value, ``axis_index``
+  0, ``all_gather`` a leading dim of 1): gshard's own partitioning then does
+  the data-parallel reduction the pmap program did by hand.
+  """
+  for name in names:
+    fn = _bind_axis(fn, name)
+  return fn
+
+
+def _bind_axis(fn, name):
+  def bound(*args):
+    outs = jax.vmap(fn, in_axes=None, out_axes=0, axis_name=name, axis_size=1)(*args)
+    return jax.tree.map(lambda y: y[0], outs)
+  return bound
+
+
+def trace(fn: Callable, args: Sequence[Any]):
+  """``jax.make_jaxpr(fn, return_shape=True)(*args)``; axis names that no
+  transformation binds (pmap-style collectives) are bound with size 1."""
+  names: list[str] = []
+  while True:
+    try:
+      return jax.make_jaxpr(bind_axis_names(fn, names), return_shape=True)(*args)
+    except NameError as e:
+      m = _UNBOUND.search(str(e))
+      if m is None or m.group(1) in names or len(names) >= MAX_BOUND_NAMES:
+        raise
+      names.append(m.group(1))
+
+
 def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
             out_specs=None) -> ShardingResult:
   """Trace ``fn(*args)``, pin ``in_specs``/``out_specs``, propagate.
@@ -168,7 +208,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
   t0 = time.perf_counter()
   leaves, paths, specs = flatten_specs(in_specs, tuple(args))
   with mesh_context(mesh_sizes):
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    closed, out_shape = trace(fn, args)
   timings["trace"] = time.perf_counter() - t0
   t1 = time.perf_counter()
   jaxpr = closed.jaxpr

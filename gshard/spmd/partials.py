@@ -64,8 +64,16 @@ def produced(b: Bound, mesh, pending=None, reduced=None) -> frozenset[str]:
 
 
 def accepts(b: Bound, t: Tensor, pending=None) -> bool:
-  """Whether consumer ``b`` lets ``t``'s pending sum through at every place it reads t."""
+  """Whether consumer ``b`` lets ``t``'s pending sum through at every place it reads t.
+
+  Its linearity must let it through, and no other operand may be split over
+  the pending axes (``x * sum(x)`` with ``x`` split: each device would scale
+  its block of ``x`` by its own partial sum).
+  """
   partials = _operand_partials(b, pending)
+  axes = t.sharding.partial if pending is None else pending.get(t, frozenset())
+  if any(o is not None and o is not t and o.sharding.axes & axes for o in b.operands):
+    return False
   return all(factors.lets_through(b.rule.linear, partials, i)
              for i, o in enumerate(b.operands) if o is t)
 

@@ -172,12 +172,12 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding,
   validate(src, global_shape, mesh_sizes, "reshard source")
   validate(dst, global_shape, mesh_sizes, "reshard destination")
   return _plan_cached(src, dst, tuple(int(n) for n in global_shape),
-                      _itemsize(dtype), tuple(dict(mesh_sizes).items()))
+                      _itemsize(dtype), tuple(dict(mesh_sizes).items()), _is_bool(dtype))
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(src: TensorSharding, dst: TensorSharding, global_shape: tuple,
-                 itemsize: int, mesh_items: tuple) -> ReshardPlan:
+                 itemsize: int, mesh_items: tuple, logical_or: bool) -> ReshardPlan:
   sizes = dict(mesh_items)
   s, d = _drop_trivial_axes(src, sizes), _drop_trivial_axes(dst, sizes)
   _check_partial(src, dst, s, d)
@@ -187,13 +187,20 @@ def _plan_cached(src: TensorSharding, dst: TensorSharding, global_shape: tuple,
   goal = _State(d.dims, _sorted(d.partial, order),
                 d.padded_shape(global_shape, sizes))
   prob = _Problem(goal, sizes, itemsize, order,
-                  frozenset(s.partial - d.partial))
+                  frozenset(s.partial - d.partial), logical_or)
   path = _search(start, prob)
   steps = _merge_steps(tuple(_finish_step(step, before, after, prob)
                              for step, before, after in path))
   states = [start] + [after for _, _, after in path]
   return ReshardPlan(src, dst, steps, sum(x.bytes_per_device for x in steps),
                      _is_full_remat(states))
+
+
+def _is_bool(dtype) -> bool:
+  try:
+    return np.dtype(dtype) == np.bool_
+  except TypeError:
+    return False
 
 
 def _itemsize(dtype) -> int:
@@ -238,6 +245,7 @@ class _Problem:
   itemsize: int
   order: Mapping[str, int]
   resolvable: frozenset[str]     # pending in src, not in dst: psum them
+  logical_or: bool = False       # a bool value: its partial "sum" is an OR (pmax, no scatter)
 
 
 # -- ring formulas: bytes one device sends ---------------------------------------
@@ -337,7 +345,7 @@ def _reduce_moves(st, prob):
   """
   todo = [a for a in st.pending if a in prob.resolvable]
   size = _local_bytes(st, prob)
-  for a in todo:
+  for a in todo if not prob.logical_or else ():   # no OR-scatter collective: psum, slice
     n, rest = prob.sizes[a], tuple(p for p in st.pending if p != a)
     for dim, want in enumerate(prob.goal.dims):
       if a in want and _local_len(st, dim, prob) % n == 0:

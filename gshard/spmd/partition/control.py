@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 from jax import lax
+from jax.extend.core import Literal
 
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.sharding import TensorSharding
@@ -163,3 +164,57 @@ def checkpoint_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   xs = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
                       policy=eqn.params.get("policy"))(*[ins[i].x for i in live])
   return [dataclasses.replace(m, x=x) for m, x in zip(meta, xs)]
+
+
+def _run_manual(jaxpr, consts, args) -> list:
+  """Evaluate a ``shard_map`` body inside gshard's own per-device program.
+
+  The body was traced with jax's varying-axes types (``check_vma``); gshard's
+  program runs without them, so their casts (``pvary``) are identities and
+  ``psum_invariant`` is a plain ``psum``. Nested jits are entered.
+  """
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    xs = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name in ("pvary", "pcast"):
+      outs = xs
+    elif name == "psum_invariant":
+      outs = [lax.psum(x, eqn.params["axes"]) for x in xs]
+    elif name in ("jit", "pjit"):
+      inner = eqn.params["jaxpr"]
+      outs = _run_manual(inner.jaxpr, inner.consts, xs)
+    else:
+      outs = eqn.primitive.bind(*xs, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars]
+
+
+def shard_map_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``jax.shard_map`` over the partition mesh: its operands are brought to its
+  ``in_specs``; its body, written for per-device blocks with collectives over
+  the mesh axes, runs as written (gshard's program is itself per device)."""
+  del scope, idx
+  p = eqn.params
+  manual = p.get("newly_manual_axes") or frozenset(p["mesh"].axis_names)
+  if set(manual) != set(ctx.mesh_sizes):
+    raise ValueError(
+        f"jax.shard_map at {ctx.source(eqn)}: it is manual over {sorted(manual)} only; "
+        f"gshard runs a shard_map inside its program when it is manual over every "
+        f"axis of the mesh {sorted(ctx.mesh_sizes)}. Make it manual over all axes, or "
+        "replace it with gshard annotations.")
+  vals = [ctx.reshard(v, TensorSharding.from_spec(s, len(v.shape)), eqn, f"operand {i}")
+          for i, (v, s) in enumerate(zip(ins, p["in_specs"]))]
+  outs = _run_manual(p["jaxpr"], (), [v.x for v in vals])
+  return [Value(x, TensorSharding.from_spec(s, len(v.aval.shape)), tuple(v.aval.shape),
+                v.aval.dtype) for x, s, v in zip(outs, p["out_specs"], eqn.outvars)]

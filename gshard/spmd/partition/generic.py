@@ -117,22 +117,31 @@ def _plan_for(ctx: Context, eqn, ins, scope, rule: FactorRule, choice, blocked,
   partials = [None if v.literal else v.sharding.partial for v in ins]
   passes = any(partials) and all(factors.lets_through(rule.linear, partials, i)
                                  for i, p in enumerate(partials) if p)
+  op_dims = [None if v.literal else tuple(factors.unproject(dims, choice, sizes,
+                                                            ctx.mesh_sizes))
+             for v, dims in zip(ins, rule.operands)]
+  res_dims = [tuple(factors.unproject(dims, choice, sizes, ctx.mesh_sizes))
+              for dims in rule.results]
+  split_axes = {a for d in op_dims + res_dims if d is not None for x in d for a in x}
+  if passes:
+    # A pending sum passes only where no operand or result is split over its
+    # axes: x * sum(x) with x split over them would multiply each block of x
+    # by a device's partial sum. Otherwise it is resolved first.
+    carried = frozenset().union(*[v.sharding.partial - {a for x in d for a in x}
+                                  for v, d in zip(ins, op_dims) if d is not None])
+    passes = not carried & split_axes
   operands: list[TensorSharding | None] = []
-  for v, dims in zip(ins, rule.operands):
-    if v.literal:
+  for v, d in zip(ins, op_dims):
+    if d is None:
       operands.append(None)
       continue
-    d = tuple(factors.unproject(dims, choice, sizes, ctx.mesh_sizes))
     used = {a for x in d for a in x}
     partial = (v.sharding.partial - used) if passes else frozenset()
     operands.append(TensorSharding(d, partial))
   carried = frozenset().union(*[o.partial for o in operands if o is not None])
   reduced = frozenset(a for f in rule.reduction for a in choice.get(f, ()))
-  results = []
-  for dims in rule.results:
-    d = tuple(factors.unproject(dims, choice, sizes, ctx.mesh_sizes))
-    used = {a for x in d for a in x}
-    results.append(TensorSharding(d, (carried | reduced) - used))
+  results = [TensorSharding(d, (carried | reduced) - {a for x in d for a in x})
+             for d in res_dims]
   return LocalPlan(rule, choice, operands, results)
 
 
@@ -315,3 +324,10 @@ def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   outs = list(outs) if eqn.primitive.multiple_results else [outs]
   return [Value(o, TensorSharding.replicated(len(v.aval.shape)), tuple(v.aval.shape),
                 v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
+
+
+def identity_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """The value as it is (``reshard``, ``with_sharding_constraint``); the
+  interpreter then brings it to its propagated sharding."""
+  del ctx, eqn, scope, idx
+  return [ins[0]]

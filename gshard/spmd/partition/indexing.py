@@ -58,7 +58,6 @@ def dynamic_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   starts = _starts(ctx, eqn, ins[1:])
   x = operand.x
   local = operand.sharding.local_shape(full, ctx.mesh_sizes)
-  mask = None
   for d, n in enumerate(full):
     if sizes[d] == n:
       continue
@@ -69,10 +68,7 @@ def dynamic_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
       continue
     rows, ok = _rows(ctx, axes, local[d], n, start, sizes[d])
     x = jnp.take(x, rows, axis=d)
-    m = _mask_along(ok, d, x.shape)
-    mask = m if mask is None else (mask & m)
-  if mask is not None:
-    x = jnp.where(mask, x, jnp.zeros((), x.dtype))
+    x = jnp.where(_mask_along(ok, d, x.shape), x, jnp.zeros((), x.dtype))
   dims = tuple(() if sizes[d] != full[d] else operand.sharding.dims[d]
                for d in range(len(full)))
   partial = frozenset(a for d in split for a in operand.sharding.dims[d])
@@ -90,8 +86,9 @@ def dynamic_update_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]
     # The plain local op: the update's dims must not be split where it is
     # smaller than the operand (its offset dims).
     rule = factor_rule_of(eqn)
-    upd = {f for d in rule.operands[1] for f in d}
-    offset = frozenset(f for d in rule.operands[0] for f in d if f not in upd)
+    op_f = {f for d in rule.operands[0] for f in d}
+    upd_f = {f for d in rule.operands[1] for f in d}
+    offset = frozenset(op_f ^ upd_f)      # the offset dims' factors, in both
     return bind_local(ctx, eqn, plan_local(ctx, eqn, ins, scope, blocked=offset), ins)
   operand = ctx.reshard(operand, operand.sharding.without_partial(), eqn, "operand 0")
   upd_s = TensorSharding(tuple(operand.sharding.dims[d] if usize[d] == full[d] else ()
@@ -191,12 +188,24 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
 
 def scatter_add_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
-  """Scatter-add into a split operand: each device keeps the rows it holds."""
+  """Scatter-add into a split operand: each device keeps the rows it holds.
+
+  With the indices and updates split (their scattered dims are ``sum``
+  factors), each device adds its share of the updates and the result is a
+  pending sum over those axes; the operand then enters the sum once (on the
+  first device of those axes), not once per device.
+  """
   del idx
   dn = eqn.params["dimension_numbers"]
   plan = plan_local(ctx, eqn, ins, scope)
   vals = [ctx.reshard(v, s, eqn, f"operand {j}") if s is not None else v
           for j, (v, s) in enumerate(zip(ins, plan.operands))]
+  summed = tuple(a for f in sorted(plan.rule.reduction) for a in plan.choice.get(f, ())
+                 if a not in vals[0].sharding.partial)
+  if summed:
+    first = ctx.linear_index(summed) == 0
+    vals[0] = dataclasses.replace(vals[0], x=jnp.where(first, vals[0].x,
+                                                       jnp.zeros((), vals[0].x.dtype)))
   split = _index_offsets(ctx, eqn, plan, plan.rule.operands[0],
                          [d for d in dn.inserted_window_dims
                           if d in dn.scatter_dims_to_operand_dims], vals[0])

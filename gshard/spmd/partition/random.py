@@ -207,9 +207,3 @@ def random_gamma_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   whole = TensorSharding(out.dims[:nk] + ((),) * (len(out.dims) - nk))
   return bind_local(ctx, eqn, dataclasses.replace(
       plan, operands=[plan.operands[0], whole], results=[whole]), ins)
-
-
-def identity_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
-  """``reshard``: the value as it is; the interpreter brings it to its target."""
-  del ctx, eqn, scope, idx
-  return [ins[0]]

@@ -28,8 +28,47 @@ def allreduce_bytes_of(x, n: int) -> int:
   return int(allreduce_bytes(x.size * x.dtype.itemsize, n))
 
 
+_INT_OF = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def ordered_key(x, nan_high: bool):
+  """An integer of the same width whose order is ``x``'s float order, with NaN
+  above every number (``nan_high``) or below it; bools and integers as they are.
+
+  A float's bits ``b`` (read as a signed integer) keep their order for
+  ``b >= 0`` and reverse it below: ``b ^ 0x7F..F`` puts the negatives back in
+  order. NaN is first made the canonical NaN of the chosen sign.
+  """
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+  itype = _INT_OF[x.dtype.itemsize]
+  nan = jnp.asarray(jnp.nan if nan_high else -jnp.nan, x.dtype)
+  b = lax.bitcast_convert_type(jnp.where(jnp.isnan(x), nan, x), itype)
+  return jnp.where(b >= 0, b, b ^ jnp.asarray(jnp.iinfo(itype).max, itype))
+
+
+def from_ordered_key(k, dtype):
+  """The inverse of :func:`ordered_key`."""
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    return k.astype(dtype)
+  b = jnp.where(k >= 0, k, k ^ jnp.asarray(jnp.iinfo(k.dtype).max, k.dtype))
+  return lax.bitcast_convert_type(b, dtype)
+
+
+def _combine(x, op, axes, record):
+  """``op`` (``lax.pmax``/``lax.pmin``) across ``axes`` as the unpartitioned
+  max/min computes it: NaN anywhere gives NaN (a backend's all-reduce max may
+  drop NaN: the values travel as order-preserving integer keys, one
+  collective of the same bytes). ``record(y)`` is called with what is sent."""
+  key = ordered_key(x, nan_high=op is lax.pmax)
+  y = op(key, axes)
+  record(y)
+  return from_ordered_key(y, x.dtype)
+
+
 def combine_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
-  """A max/min/or/and over a split dim: the local reduction, then pmax/pmin."""
+  """A max/min/or/and over a split dim: the local reduction, then pmax/pmin
+  (NaN-propagating for floats, as the unpartitioned max/min)."""
   try:
     factor_rule_of(eqn)
   except NotImplementedError:   # a case the sharding rule does not cover
@@ -40,20 +79,20 @@ def combine_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   axes = tuple(a for f in plan.rule.other_reduction for a in plan.choice.get(f, ()))
   if not axes:
     return outs
+  n = ctx.num_shards(axes)
   res = []
   for v in outs:
-    x = v.x
-    is_bool = x.dtype == jnp.bool_
-    y = getattr(lax, combine)(x.astype(jnp.int32) if is_bool else x, axes)
-    y = y.astype(jnp.bool_) if is_bool else y
-    ctx.record(combine, axes, allreduce_bytes_of(y, ctx.num_shards(axes)), eqn,
-               "result 0", v.sharding, v.sharding, v.shape, v.dtype)
+    def record(arr, v=v):
+      ctx.record(combine, axes, allreduce_bytes_of(arr, n), eqn, "result 0", v.sharding,
+                 v.sharding, v.shape, v.dtype)
+    y = _combine(v.x, getattr(lax, combine), axes, record)
     res.append(dataclasses.replace(v, x=y))
   return res
 
 
 def arg_reduce_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
-  """argmax/argmin over a split dim: local winner, then the global first winner."""
+  """argmax/argmin over a split dim: each device's local winner, then the
+  globally first winner; as in jax, the first NaN wins over any number."""
   del idx
   plan = plan_local(ctx, eqn, ins, scope, allow_other_reduction=True)
   (axis,) = eqn.params["axes"]
@@ -66,15 +105,21 @@ def arg_reduce_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   local_n = x_val.sharding.local_shape(x_val.shape, ctx.mesh_sizes)[axis]
   is_max = eqn.primitive.name == "argmax"
   (masked,) = mask_padding(ctx, eqn, plan, [x_val.x])
-  best = (jnp.max if is_max else jnp.min)(masked, axis=axis)
+  best = (jnp.max if is_max else jnp.min)(masked, axis=axis)   # NaN if a local NaN
   glob = out.x + (ctx.linear_index(axes) * local_n).astype(out.x.dtype)
-  top = (lax.pmax if is_max else lax.pmin)(best, axes)
-  big = jnp.iinfo(out.x.dtype).max
-  mine = jnp.where(best == top, glob, big)
-  winner = lax.pmin(mine, axes)
   n = ctx.num_shards(axes)
-  ctx.record("pmax" if is_max else "pmin", axes, allreduce_bytes_of(best, n), eqn,
-             "result 0", out.sharding, out.sharding, out.shape, out.dtype)
-  ctx.record("pmin", axes, allreduce_bytes_of(winner, n), eqn, "result 0", out.sharding,
-             out.sharding, out.shape, out.dtype)
+
+  def record(arr, kind):
+    ctx.record(kind, axes, allreduce_bytes_of(arr, n), eqn, "result 0", out.sharding,
+               out.sharding, out.shape, out.dtype)
+
+  # the best local value as an ordered key (NaN the best of all, as the local
+  # argmax/argmin of jax makes the first NaN win), then the first device index
+  # holding the global best
+  key = ordered_key(best, nan_high=is_max)
+  top = (lax.pmax if is_max else lax.pmin)(key, axes)
+  record(top, "pmax" if is_max else "pmin")
+  big = jnp.iinfo(out.x.dtype).max
+  winner = lax.pmin(jnp.where(key == top, glob, big), axes)
+  record(winner, "pmin")
   return [dataclasses.replace(out, x=winner)]

@@ -252,14 +252,22 @@ class Pin:
   ref: Ref
   sharding: TensorSharding
   open_dims: frozenset[int] = frozenset()
+  what: str = "annotation"           # how errors name it, before its source line
+  mesh: tuple[tuple[str, int], ...] | None = None   # the mesh it names, if any
+  soft: bool = False                 # a preference: skipped where a pin already fixed it
 
 
 @dataclasses.dataclass(frozen=True)
 class OpRule:
-  """Several constraints over an equation's tensors (inner jaxprs' too), and pins."""
+  """Several constraints over an equation's tensors (inner jaxprs' too), and pins.
+
+  ``walk_inner=False`` keeps propagation out of the equation's inner jaxprs
+  (a ``shard_map`` body works on per-device blocks, not global values).
+  """
 
   constraints: tuple[Constraint, ...]
   pins: tuple[Pin, ...] = ()
+  walk_inner: bool = True
 
 
 RuleResult = Union[FactorRule, OpRule]

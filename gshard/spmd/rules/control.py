@@ -14,7 +14,8 @@ import functools
 from gshard.spmd.partition import control as partition
 from gshard.spmd.registry import register
 from gshard.spmd.rules._core import (IN, OUT, SUB_IN, SUB_OUT, Constraint, FactorRule,
-                                     OpRule, factor_rule, letters)
+                                     OpRule, Pin, factor_rule, letters)
+from gshard.spmd.sharding import TensorSharding
 
 
 def identity_rule(shape, linear="unary") -> FactorRule:
@@ -67,6 +68,19 @@ def scan_rule(in_avals, out_avals, *, num_consts, num_carry, **params) -> OpRule
   return OpRule(tuple(cons))
 
 
+def shard_map_rule(in_avals, out_avals, *, mesh, in_specs, out_specs, **params) -> OpRule:
+  """``jax.shard_map`` inside the partitioned function: its ``in_specs`` are
+  preferred for its operands (unless pinned already), its ``out_specs`` pin
+  its results, and its body (per-device code) is left as written."""
+  del params
+  mesh_items = tuple(dict(mesh.shape).items())
+  pins = [Pin(IN(i), TensorSharding.from_spec(s, len(a.shape)), what="shard_map in_specs",
+              mesh=mesh_items, soft=True) for i, (s, a) in enumerate(zip(in_specs, in_avals))]
+  pins += [Pin(OUT(j), TensorSharding.from_spec(s, len(a.shape)), what="shard_map out_specs",
+               mesh=mesh_items) for j, (s, a) in enumerate(zip(out_specs, out_avals))]
+  return OpRule((), tuple(pins), walk_inner=False)
+
+
 def while_rule(in_avals, out_avals, *, cond_nconsts, body_nconsts, **params) -> OpRule:
   """``while``: consts and carries linked to the cond's and body's invars, round
   the loop and out (never pending)."""
@@ -111,3 +125,4 @@ register("remat2 checkpoint", functools.partial(call_rule, jaxpr_param="jaxpr"),
 register("scan", scan_rule, partition=partition.scan_rule)
 register("while", while_rule, partition=partition.while_rule)
 register("cond", cond_rule, partition=partition.cond_rule)
+register("shard_map", shard_map_rule, partition=partition.shard_map_rule)

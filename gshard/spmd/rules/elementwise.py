@@ -54,7 +54,7 @@ register_elementwise(
     "shift_right_logical population_count clz select_n "
     "reduce_precision stop_gradient optimization_barrier")
 # Linear maps of their one operand: a partial sum passes through.
-register_elementwise("neg copy copy_p real_to_complex sharding_constraint",
+register_elementwise("neg copy copy_p real_to_complex",
                      linear="unary")
 
 

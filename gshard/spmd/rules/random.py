@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 
 from gshard.spmd.partition import random as partition
+from gshard.spmd.partition.generic import identity_rule as identity_partition
 from gshard.spmd.registry import register
 from gshard.spmd.rules._core import FactorRule, factor_rule, letters, shapes
 from gshard.spmd.rules.elementwise import elementwise_rule
@@ -92,7 +93,7 @@ def bitcast_rule(in_avals, out_avals, **params) -> FactorRule:
 # passes its input's sharding) and the arguments are mesh-committed arrays.
 # gshard chooses layouts itself, so to it ``reshard`` is the identity.
 register("reshard", functools.partial(elementwise_rule, linear="unary"),
-         partition=partition.identity_rule)
+         partition=identity_partition)
 register("random_seed random_clone random_fold_in threefry2x32", elementwise_rule)
 register("random_wrap", functools.partial(key_data_rule, wrap=True))
 register("random_unwrap", functools.partial(key_data_rule, wrap=False))
