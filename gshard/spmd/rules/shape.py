@@ -46,6 +46,17 @@ def reshape_rule(in_avals, out_avals, *, new_sizes, dimensions=None, **params) -
   def own(dims, i, n, block):
     dims[i].append(new(n, blocked=block))
 
+  if 0 in op_shape or 0 in out_shape:   # an empty value: nothing to split
+    for dims, shape in ((op, op_shape), (out, out_shape)):
+      for i, n in enumerate(shape):
+        own(dims, i, n, True)
+    if dimensions is not None:
+      back = [None] * len(op)
+      for i, d in enumerate(dimensions):
+        back[d] = op[i]
+      op = back
+    return new.rule([op] + [[]] * len(dyn), [out], linear="unary")
+
   # Size-1 dims take no part in the walk.
   for i, n in enumerate(op_shape):
     if n == 1:
