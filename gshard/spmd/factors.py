@@ -22,6 +22,7 @@ A tensor here is anything with ``sharding``, ``fixed`` (dims a user pinned),
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -169,11 +170,45 @@ def choose(f: str, hs: list[Holder], rule: FactorRule, mesh) -> Axes | None:
   return min(sorted(cands), key=lambda a: candidate_key(a, hs, rule.size_of[f], mesh))
 
 
+@dataclasses.dataclass(frozen=True)
+class _View:
+  """A tensor as the solver reads it: a hashable value (the memo's key)."""
+
+  sharding: TensorSharding
+  fixed: frozenset[int]
+  shape: tuple[int, ...]
+  dtype: Any
+
+
+def _view(t: Held | None):
+  return None if t is None else _View(t.sharding, t.fixed, tuple(t.shape), t.dtype)
+
+
 def solve(rule: FactorRule, operands: Sequence[Held | None],
           results: Sequence[Held | None], mesh) -> dict[str, Axes]:
   """Per-factor axes for one rule over these tensors, each mesh axis given to one
   factor (the better supported one; a contested axis goes where it sends fewer
-  bytes, by exact reshard plans)."""
+  bytes, by exact reshard plans).
+
+  Pure in the tensors' shardings, pins, shapes and dtypes: memoised on them,
+  so the repeated layers of a model are solved once.
+  """
+  try:
+    key = (rule, tuple(map(_view, operands)), tuple(map(_view, results)),
+           tuple(mesh.items()))
+    hash(key)
+  except TypeError:        # a dtype jax cannot hash: solve it anew
+    return _solve(rule, operands, results, mesh)
+  return dict(_solve_memo(*key))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _solve_memo(rule, operands, results, mesh_items) -> tuple:
+  return tuple(_solve(rule, operands, results, dict(mesh_items)).items())
+
+
+def _solve(rule: FactorRule, operands: Sequence[Held | None],
+           results: Sequence[Held | None], mesh) -> dict[str, Axes]:
   hold, pairs = holders(rule, operands, results, mesh)
   choice: dict[str, Axes] = {}
   strength = {}
