@@ -18,7 +18,9 @@ sums of a few exactly representable terms, so they are compared exactly too).
   gradient of a split dynamic_slice;
 * dynamic_slice with two split dims, or a split dim and another sliced dim;
 * a scalar two-index gather from a split array;
-* zero-size dims, split.
+* scatters other than scatter-add (set, max, min, multiply, subtract) into a
+  split operand write locally instead of taking the safe path;
+* zero-size dims, split, reshaped.
 """
 
 from __future__ import annotations
@@ -104,6 +106,27 @@ CASES = {
         lambda x, i, u: x.at[i].add(u),
         (np.zeros((7, 3), np.float32), np.array([6, 0, 3], np.int32), np.ones((3, 3), np.float32)),
         (P("b"), None, None)),
+    "x.at[idx].set(u) into a split operand": (
+        lambda x, i, u: x.at[i].set(u),
+        (np.zeros(8, np.float32), np.array([7, 0, 3, 3], np.int32), np.arange(4.0, dtype=np.float32)),
+        (P("b"), None, None)),
+    "x.at[idx].max(u) into an uneven split operand, out of range dropped": (
+        lambda x, i, u: x.at[i].max(u),
+        (np.zeros((7, 3), np.float32), np.array([6, 0, 9], np.int32), np.ones((3, 3), np.float32)),
+        (P("b"), None, None)),
+    "x.at[idx].min(u, mode=clip)": (
+        lambda x, i, u: x.at[i].min(u, mode="clip"),
+        (np.ones(8, np.float32), np.array([9, -3, 3], np.int32), -np.arange(3.0, dtype=np.float32)),
+        (P("b"), None, None)),
+    "x.at[idx].multiply(u)": (
+        lambda x, i, u: x.at[i].multiply(u),
+        (np.full(8, 2.0, np.float32), np.array([1, 5, 5], np.int32), np.full(3, 3.0, np.float32)),
+        (P("b"), None, None)),
+    "x.at[idx].subtract(u), idx and u split": (
+        lambda x, i, u: x.at[i].subtract(u),
+        (np.ones(6, np.float32), IDX, np.arange(4.0, dtype=np.float32)), (None, P("b"), P("b"))),
+    "jnp.unique of split ints": (lambda m: jnp.unique(m, size=3, fill_value=-1),
+                                 (np.array([3, 1, 3, 2, 1, 1, 0, 2], np.int32),), (P("b"),)),
     # -- dynamic slices
     "dynamic_update_slice, update split on the offset dim": (
         lambda x, u, s: lax.dynamic_update_slice(x, u, (s,)),
@@ -146,14 +169,15 @@ CASES = {
     "zero-size dim split": (lambda x, y: (x * 2, jnp.sum(x) + y.sum(), gshard.split(x + 1, 0, "b")),
                             (np.zeros((0, 4), np.float32), np.ones((8,), np.float32)),
                             (P("b"), None)),
+    "reshape of an empty value": (lambda x: (x.reshape(0, 6) + 1, x.sum()),
+                                   (np.zeros((2, 0, 3), np.float32),), (P("b"),)),
     "zero-size dim split, other dim split": (
         lambda x, y: (x * 2, jnp.sum(x) + y.sum()),
         (np.zeros((0, 4), np.float32), np.ones((8,), np.float32)), (P(None, "a"), P("b"))),
 }
 
 
-# jnp.unique scatters (not scatter-add): the safe path, with a warning.
-@pytest.mark.filterwarnings("ignore::gshard.PartitionWarning")
+@pytest.mark.filterwarnings("error::gshard.PartitionWarning")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_equals_one_device(name):
   fn, args, specs = CASES[name]

@@ -187,8 +187,9 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   return [dataclasses.replace(out, x=y)]
 
 
-def scatter_add_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
-  """Scatter-add into a split operand: each device keeps the rows it holds.
+def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """A scatter (add, sub, set, mul, min, max) into a split operand: each device
+  applies the updates that land in the rows it holds and drops the others.
 
   With the indices and updates split (their scattered dims are ``sum``
   factors), each device adds its share of the updates and the result is a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from gshard.spmd.partition import indexing as partition
-from gshard.spmd.registry import SAFE, register
+from gshard.spmd.registry import register
 from gshard.spmd.rules._core import FactorRule, Factors, shapes
 from gshard.spmd.rules.shape import windowed_rule
 
@@ -107,11 +107,16 @@ def dynamic_update_slice_rule(in_avals, out_avals, **params) -> FactorRule:
 
 register("gather", gather_rule, partition=partition.gather_rule)
 register("scatter-add", functools.partial(scatter_rule, kind="add"),
-         partition=partition.scatter_add_rule)
-# Scatters that overwrite or combine by mul/min/max: gathered, with a warning.
+         partition=partition.scatter_rule)
+# operand - sum of updates: linear like scatter-add
+register("scatter-sub", functools.partial(scatter_rule, kind="add"),
+         partition=partition.scatter_rule)
+# Scatters that overwrite or combine by mul/min/max: their scattered update dims
+# are blocked (no partial result to combine); a split operand dim is written
+# locally, each device keeping the updates that land in its rows.
 for _name, _kind in (("scatter", "set"), ("scatter-mul", "mul"), ("scatter-min", "min"),
                      ("scatter-max", "max")):
-  register(_name, functools.partial(scatter_rule, kind=_kind), partition=SAFE)
+  register(_name, functools.partial(scatter_rule, kind=_kind), partition=partition.scatter_rule)
 register("dynamic_slice", dynamic_slice_rule, partition=partition.dynamic_slice_rule)
 register("dynamic_update_slice", dynamic_update_slice_rule,
          partition=partition.dynamic_update_slice_rule)
