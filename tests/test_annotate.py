@@ -275,7 +275,8 @@ def test_unconstrained_dims_under_propagation(spec, expected):
     (lambda: gshard.split(X, -3, "data"), ValueError,
      "split(x, dim=-3, axis='data'): x is f32[4,8] (rank 2); dim must be in [-2, 1]."),
     (lambda: gshard.split(jnp.float32(1), 0, "data"), ValueError,
-     "split(x, dim=0, axis='data'): x is f32[] (rank 0); dim must be in [0, -1]."),
+     "split(x, dim=0, axis='data'): x is a scalar (f32[]): it has no dim to split. "
+         "Use gshard.replicate(x), or drop the annotation."),
     (lambda: gshard.split(X, 1.0, "data"), TypeError,
      "split(x, dim=1.0, axis='data'): dim must be an int, got float."),
     (lambda: gshard.split(X, True, "data"), TypeError,

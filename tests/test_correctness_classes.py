@@ -17,6 +17,8 @@ sums of a few exactly representable terms, so they are compared exactly too).
 * dynamic_update_slice with its update split along an offset dim, and the
   gradient of a split dynamic_slice;
 * dynamic_slice with two split dims, or a split dim and another sliced dim;
+  a start past the end with the result split (jax clamps it; XLA's merge of
+  nested dynamic slices would not, so gshard clamps explicitly);
 * a scalar two-index gather from a split array;
 * scatters other than scatter-add (set, max, min, multiply, subtract) into a
   split operand write locally instead of taking the safe path;
@@ -110,6 +112,13 @@ CASES = {
         lambda x, i, u: x.at[i].set(u),
         (np.zeros(8, np.float32), np.array([7, 0, 3, 3], np.int32), np.arange(4.0, dtype=np.float32)),
         (P("b"), None, None)),
+    "x.at[-1].set(v), operand split unevenly inside (XLA misplaces OOB scatters)": (
+        lambda a, i: gshard.shard(a, P("b")).at[i].set(-0.5),
+        (np.arange(40.0, dtype=np.float32).reshape(5, 2, 1, 4), np.int32(-1)), (None, None)),
+    "x.at[i].add(u, mode=clip), a window dim indexed too": (
+        lambda a, i, u: a.at[i, 1:3].add(u, mode="clip"),
+        (np.zeros((7, 4), np.float32), np.array([9, -2, 3], np.int32), np.ones((3, 2), np.float32)),
+        (P("b"), None, None)),
     "x.at[idx].max(u) into an uneven split operand, out of range dropped": (
         lambda x, i, u: x.at[i].max(u),
         (np.zeros((7, 3), np.float32), np.array([6, 0, 9], np.int32), np.ones((3, 3), np.float32)),
@@ -151,6 +160,15 @@ CASES = {
         (np.arange(64.0, dtype=np.float32).reshape(8, 8), np.int32(5)), (P("b"), None)),
     "dynamic_slice, start past the end": (
         lambda x, s: lax.dynamic_slice(x, (s,), (4,)), (ARANGE8, np.int32(7)), (P("b"), None)),
+    "dynamic_slice past the end, result split (XLA merges nested slices)": (
+        lambda a, s: gshard.shard(lax.dynamic_slice_in_dim(a, s, 4), P("b")),
+        (ARANGE8, np.int32(6)), (None, None)),
+    "dynamic_slice 2-d past the end, result split": (
+        lambda a, s: gshard.shard(lax.dynamic_slice(a, (s, 1), (4, 3)), P("b", None)),
+        (np.arange(64.0, dtype=np.float32).reshape(8, 8), np.int32(7)), (None, None)),
+    "dynamic_update_slice past the end, result split": (
+        lambda a, u, s: gshard.shard(lax.dynamic_update_slice_in_dim(a, u, s, 0), P("b")),
+        (ARANGE8, np.ones(3, np.float32), np.int32(7)), (None, None, None)),
     # -- gathers
     "a.T[i, j] from a split array": (
         lambda a, i, j: a.T[i, j],
@@ -164,6 +182,10 @@ CASES = {
                                            (np.random.default_rng(1).random((3, 8),
                                                                             np.float32),),
                                            (P(None, "b"),)),
+    "flip along an uneven split dim": (lambda x: jnp.flip(x, 0) * 1,
+                                       (np.arange(27.0, dtype=np.float32).reshape(9, 3),),
+                                       (P("b"),)),
+    "flip along an even split dim": (lambda x: jnp.flip(x, 0) * 1, (ARANGE8,), (P("b"),)),
     "pad mode=edge": (lambda x: jnp.pad(x, 2, mode="edge"), (ARANGE8,), (None,)),
     "pad mode=edge, split": (lambda x: jnp.pad(x, 2, mode="edge"), (ARANGE8,), (P("b"),)),
     "zero-size dim split": (lambda x, y: (x * 2, jnp.sum(x) + y.sum(), gshard.split(x + 1, 0, "b")),

@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.lax import GatherScatterMode
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import bind_local, factor_rule_of, generic_rule, plan_local
+from gshard.spmd.partition.generic import bind_local, factor_rule_of, plan_local
 from gshard.spmd.sharding import TensorSharding
 
 
@@ -46,6 +47,32 @@ def _mask_along(mask, dim: int, shape):
   return lax.broadcast_in_dim(mask, shape, (dim,))
 
 
+def _clamped_local(ctx: Context, eqn, ins, scope, *, window, blocked=frozenset()):
+  """The op on local values, its start indices clamped first as jax clamps them
+  (``0 <= start <= dim - window``, on the local shapes).
+
+  jax's own clamp is inside the op; XLA's simplifier merges a dynamic slice of
+  a dynamic slice (the local slice a reshard takes of the result) into one
+  slice and clamps the merged start to the outer bounds only, so a start past
+  the end would read past the window. An explicit clamp keeps it exact.
+  """
+  plan = plan_local(ctx, eqn, ins, scope, blocked=blocked)
+  k = len(window)
+  operand = ins[0]
+  local = plan.operands[0].local_shape(operand.shape, ctx.mesh_sizes)
+  wlocal = (plan.operands[1].local_shape(window, ctx.mesh_sizes)
+            if eqn.primitive.name == "dynamic_update_slice" else
+            plan.results[0].local_shape(window, ctx.mesh_sizes))
+  first = len(ins) - k
+  starts = [ctx.reshard(v, TensorSharding.replicated(0), eqn, f"operand {first + d}")
+            for d, v in enumerate(ins[first:])]
+  clamped = [Value(jnp.clip(v.x, 0, max(0, n - w)).astype(v.x.dtype) if not v.literal
+                   else np.clip(v.x, 0, max(0, n - w)).astype(np.asarray(v.x).dtype),
+                   TensorSharding.replicated(0), (), v.dtype, literal=v.literal)
+             for v, n, w in zip(starts, local, wlocal)]
+  return bind_local(ctx, eqn, plan, list(ins[:first]) + clamped)
+
+
 def dynamic_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``dynamic_slice`` along split dims: each device reads the rows it holds
   (zeros elsewhere); the slice is a pending sum over those dims' axes."""
@@ -54,7 +81,7 @@ def dynamic_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   full = operand.shape
   split = [d for d in range(len(full)) if operand.sharding.dims[d] and sizes[d] != full[d]]
   if not split or operand.sharding.partial:
-    return generic_rule(ctx, eqn, ins, scope, idx)
+    return _clamped_local(ctx, eqn, ins, scope, window=sizes)
   starts = _starts(ctx, eqn, ins[1:])
   x = operand.x
   local = operand.sharding.local_shape(full, ctx.mesh_sizes)
@@ -89,7 +116,7 @@ def dynamic_update_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]
     op_f = {f for d in rule.operands[0] for f in d}
     upd_f = {f for d in rule.operands[1] for f in d}
     offset = frozenset(op_f ^ upd_f)      # the offset dims' factors, in both
-    return bind_local(ctx, eqn, plan_local(ctx, eqn, ins, scope, blocked=offset), ins)
+    return _clamped_local(ctx, eqn, ins, scope, window=update.shape, blocked=offset)
   operand = ctx.reshard(operand, operand.sharding.without_partial(), eqn, "operand 0")
   upd_s = TensorSharding(tuple(operand.sharding.dims[d] if usize[d] == full[d] else ()
                                for d in range(len(full))))
@@ -214,15 +241,40 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     return bind_local(ctx, eqn, plan, vals)
   full = eqn.invars[0].aval.shape
   idx_x = vals[1].x
-  comps = [idx_x[..., k] for k in range(len(dn.scatter_dims_to_operand_dims))]
-  clip = "CLIP" in str(eqn.params["mode"])
+  sdims = list(dn.scatter_dims_to_operand_dims)
+  comps = [idx_x[..., k] for k in range(len(sdims))]
+  if "CLIP" in str(eqn.params["mode"]):      # jax's clip: every window fits
+    window = _scatter_window(eqn)
+    comps = [jnp.clip(c, 0, full[d] - window[d]) for c, d in zip(comps, sdims)]
+  # Each update that lands outside this device's rows goes to a trash row one
+  # past the block (padded here, sliced off after): every index is in bounds,
+  # which XLA needs (it has been seen to misplace out-of-bounds scatter
+  # updates once the scatter is fused with the padding of its operand).
+  x = vals[0].x
   for d, axes, local, offset in split:
-    k = list(dn.scatter_dims_to_operand_dims).index(d)
-    g = jnp.clip(comps[k], 0, full[d] - 1) if clip else comps[k]
+    k = sdims.index(d)
+    g = comps[k]
     loc = g - offset.astype(g.dtype)
     ok = (loc >= 0) & (loc < local) & (g >= 0) & (g < full[d])
-    comps[k] = jnp.where(ok, loc, local)          # out of range: dropped
+    comps[k] = jnp.where(ok, loc, local)
+    x = lax.pad(x, jnp.zeros((), x.dtype), [(0, int(i == d), 0) for i in range(x.ndim)])
   new_idx = jnp.stack(comps, axis=-1).astype(idx_x.dtype)
   fixed = dataclasses.replace(vals[1], x=new_idx)
   eqn2 = eqn.replace(params={**eqn.params, "mode": GatherScatterMode.FILL_OR_DROP})
-  return bind_local(ctx, eqn2, plan, [vals[0], fixed, vals[2]])
+  y = eqn2.primitive.bind(x, fixed.x, vals[2].x, **eqn2.params)
+  y = y[tuple(slice(0, n) for n in np.shape(vals[0].x))]
+  out = eqn.outvars[0]
+  return [Value(y, plan.results[0], tuple(out.aval.shape), out.aval.dtype)]
+
+
+def _scatter_window(eqn) -> list[int]:
+  """Per operand dim, the size of the update window along it (1 where inserted)."""
+  dn = eqn.params["dimension_numbers"]
+  upd_shape = eqn.invars[2].aval.shape
+  op_rank = len(eqn.invars[0].aval.shape)
+  window_dims = [d for d in range(op_rank)
+                 if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+  size = [1] * op_rank
+  for d, u in zip(window_dims, dn.update_window_dims):
+    size[d] = upd_shape[u]
+  return size

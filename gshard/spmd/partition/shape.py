@@ -152,10 +152,12 @@ def pad_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
 def rev_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``rev`` along a split dim that stays split: device i takes block n-1-i
-  (one ppermute of the whole block), then reverses it locally."""
+  (one ppermute of the whole block), then reverses it locally. Only an even
+  split: with padding, block n-1-i reversed would put the padding first."""
   plan = plan_local(ctx, eqn, ins, scope)
+  shape = eqn.invars[0].aval.shape
   keep = _keep_split(ctx, eqn, ins, scope, plan, eqn.params["dimensions"],
-                     lambda d, n: None)
+                     lambda d, n: blocked_reason(n, {"dim": shape[d]}))
   if keep is None:
     return generic_rule(ctx, eqn, ins, scope, idx)
   op_s, out_s, kept = keep
