@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import multiprocessing  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -65,6 +66,102 @@ def failed(o: fuzzcheck.Outcome | None) -> bool:
   return o.status != "pass"
 
 
+# -- a worker process: XLA may abort the process (a CHECK failure) ----------------
+
+def _worker(conn) -> None:
+  warnings.filterwarnings("ignore", category=UserWarning)
+  done = 0
+  while True:
+    msg = conn.recv()
+    if msg is None:
+      return
+    pid, gspmd = msg
+    try:
+      prog = fuzzgen.from_seed(pid)
+    except Exception as e:  # noqa: BLE001
+      conn.send(("generror", f"{type(e).__name__}: {e}"))
+      continue
+    r = fuzzcheck.check(prog, gspmd=gspmd,
+                        on_stage=lambda name, o: conn.send(("stage", name, o)))
+    conn.send(("done", r, dict(fuzzcheck.SCALE_FALLBACKS)))
+    done += 1
+    if done % 100 == 0:
+      jax.clear_caches()
+
+
+class Worker:
+  """A spawned process running :func:`fuzzcheck.check`, restarted when it dies."""
+
+  def __init__(self, timeout: float):
+    self.timeout = timeout
+    self.proc = None
+
+  def _start(self):
+    ctx = multiprocessing.get_context("spawn")
+    self.conn, child = ctx.Pipe()
+    self.proc = ctx.Process(target=_worker, args=(child,), daemon=True)
+    self.proc.start()
+
+  def _kill(self):
+    if self.proc is not None:
+      self.proc.kill()
+      self.proc.join()
+      self.proc = None
+
+  def close(self):
+    if self.proc is not None:
+      try:
+        self.conn.send(None)
+      except OSError:
+        pass
+      self.proc.join(timeout=10)
+      self._kill()
+
+  def run(self, pid: str, gspmd: bool):
+    """("done", Result, fallbacks) | ("generror", msg) | ("died", stage outcomes, why)."""
+    if self.proc is None:
+      self._start()
+    self.conn.send((pid, gspmd))
+    stages = {}
+    while True:
+      if not self.conn.poll(self.timeout):
+        self._kill()
+        return ("died", stages, f"timeout after {self.timeout:.0f}s")
+      try:
+        msg = self.conn.recv()
+      except (EOFError, OSError):
+        self.proc.join()
+        code = self.proc.exitcode
+        self.proc = None
+        return ("died", stages, f"process died (exit code {code}; an XLA CHECK failure "
+                "aborts it)")
+      if msg[0] == "stage":
+        stages[msg[1]] = msg[2]
+        continue
+      return msg
+
+
+def check_isolated(worker: Worker, pid: str, gspmd: bool):
+  """(Result or None, generator error or None, scale fallbacks)."""
+  msg = worker.run(pid, gspmd)
+  if msg[0] == "done":
+    return msg[1], None, msg[2]
+  if msg[0] == "generror":
+    return None, msg[1], {}
+  _, stages, why = msg
+  prog = fuzzgen.from_seed(pid)
+  died = fuzzcheck.Outcome("crash", f"Abort: {why}", "xla (process died)")
+  if "gshard" in stages:        # gshard finished: GSPMD took the process down
+    return fuzzcheck.Result(prog, None, stages["gshard"], died), None, {}
+  if gspmd:                     # rerun without GSPMD to see whether gshard did it
+    r, err, fb = check_isolated(worker, pid, False)
+    if r is not None and r.gshard is not None:
+      r.gspmd = fuzzcheck.Outcome("crash", "Abort: not run (the process died before "
+                                  "GSPMD ran)", "?")
+    return r, err, fb
+  return fuzzcheck.Result(prog, None, died, None), None, {}
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--examples", type=int,
@@ -75,6 +172,8 @@ def main(argv=None) -> int:
   ap.add_argument("--time-limit", type=float,
                   default=float(os.environ.get("FUZZ_TIME_LIMIT", "0")) or None)
   ap.add_argument("--replay", default=None, help="run one program, e.g. 1234-17")
+  ap.add_argument("--timeout", type=float, default=600.0,
+                  help="seconds one program may take before it counts as a crash")
   args = ap.parse_args(argv)
   warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -97,6 +196,8 @@ def main(argv=None) -> int:
   g_status, x_status = collections.Counter(), collections.Counter()
   modes = collections.Counter()
   warned = invalid = 0
+  scale_fallbacks = {}
+  worker = Worker(args.timeout)
   t0 = time.time()
   n = 0
   with open(args.out, "w") as out:
@@ -106,14 +207,14 @@ def main(argv=None) -> int:
         print(f"time limit reached after {n} programs")
         break
       pid = f"{seed}-{k}"
-      try:
-        prog = fuzzgen.from_seed(pid)
-      except Exception as e:  # noqa: BLE001
-        invalid += 1
-        print(f"{pid}: generator error {type(e).__name__}: {e}")
-        continue
-      r = fuzzcheck.check(prog, gspmd=not args.no_gspmd)
+      r, gen_error, fallbacks = check_isolated(worker, pid, not args.no_gspmd)
       n += 1
+      scale_fallbacks.update(fallbacks)
+      if gen_error:
+        invalid += 1
+        print(f"{pid}: generator error {gen_error}")
+        continue
+      prog = r.prog
       if r.single_error:
         invalid += 1
         out.write(f"\n# ==== {pid}: one device failed (generator bug): {r.single_error}\n")
@@ -128,6 +229,8 @@ def main(argv=None) -> int:
         x_status[r.gspmd.status] += 1
         if r.gspmd.fallback is not None:
           x_status["refuse->" + r.gspmd.fallback.status] += 1
+        eff = r.gspmd.fallback or r.gspmd
+        x_status["eff:" + eff.status] += 1
       g_bad, x_bad = failed(r.gshard), failed(r.gspmd)
       if g_bad or x_bad:
         out.write(f"\n# ==== {pid} [{prog.mode}] gshard: {r.gshard.key}"
@@ -144,8 +247,7 @@ def main(argv=None) -> int:
         el = time.time() - t0
         print(f"... {k + 1} programs, {el:.0f}s; gshard fail "
               f"{g_status['wrong'] + g_status['crash']}", flush=True)
-      if (k + 1) % 100 == 0:
-        jax.clear_caches()
+  worker.close()
   el = time.time() - t0
 
   def pct(a):
@@ -162,10 +264,11 @@ def main(argv=None) -> int:
     print(f"{'  then, as constraints: ' + s:24}{'':>16}"
           f"{pct(x_status['refuse->' + s]):>16}")
   print(f"{'safe path (warned)':24}{pct(warned):>16}")
+  print(f"{'checker error (oracle)':24}{pct(g_status['checker']):>16}"
+        f"{pct(x_status['eff:checker']):>16}")
   g_fail = g_status["wrong"] + g_status["crash"]
-  x_fail = sum(1 for k_, v in x_counts.items() for _ in range(v)
-               if not (k_ == "pass" or k_ == "refuse -> pass"))
-  print(f"{'failing (any)':24}{pct(g_fail):>16}{pct(x_fail):>16}")
+  x_fail = x_status["eff:wrong"] + x_status["eff:crash"]
+  print(f"{'failing (wrong+crash)':24}{pct(g_fail):>16}{pct(x_fail):>16}")
   print("\ngshard classes:")
   for key, c in g_counts.most_common():
     print(f"  {c:5d}  {key}")
@@ -173,8 +276,8 @@ def main(argv=None) -> int:
     print("\ngspmd classes:")
     for key, c in x_counts.most_common():
       print(f"  {c:5d}  {key}")
-  if fuzzcheck.SCALE_FALLBACKS:
-    print("\nscale rules missing (conservative fallback):", dict(fuzzcheck.SCALE_FALLBACKS))
+  if scale_fallbacks:
+    print("\nscale rules missing (conservative fallback):", scale_fallbacks)
   print(f"\nfailing repros: {args.out}; seed {seed}")
   return 1 if g_fail else 0
 

@@ -146,7 +146,7 @@ _ELEMENTWISE_D = {   # |f'(a)| as a function of (a, out)
     "cosh": lambda a, o: jnp.abs(jnp.sinh(a)),
 }
 _ZERO_ERROR = {"floor", "ceil", "round", "sign", "iota", "nextafter", "is_finite"}
-_IDENTITY = {"annotate", "optimization_barrier", "stop_gradient", "pvary", "copy"}
+_IDENTITY = {"sharding_annotation", "annotate", "optimization_barrier", "stop_gradient", "pvary", "copy"}
 
 
 def _rule(eqn, ins):
@@ -387,7 +387,7 @@ def compare(prog: Program, got, want, get_oracle) -> list[Mismatch]:
 
 @dataclasses.dataclass
 class Outcome:
-  status: str                  # pass / wrong / crash / refuse / skip
+  status: str                  # pass / wrong / crash / refuse / checker
   detail: str = ""
   where: str = ""              # crash: "internal" (raised in gshard/) or the module
   mismatches: list = dataclasses.field(default_factory=list)
@@ -445,11 +445,20 @@ def run_one(prog: Program, fn_maker, want, get_oracle, refuse_status="crash") ->
     except Exception as e:  # noqa: BLE001 - classified
       return Outcome(refuse_status, _first_line(e), _where(e))
   warned = any(issubclass(w.category, gshard.PartitionWarning) for w in ws)
-  mm = compare(prog, got, want, get_oracle)
+  try:
+    mm = compare(prog, got, want, get_oracle)
+  except Exception as e:  # noqa: BLE001 - the oracle failed: not gshard's fault
+    return Outcome("checker", _first_line(e), _where(e), warned=warned)
   return Outcome("wrong" if mm else "pass", mismatches=mm, warned=warned)
 
 
-def check(prog: Program, gspmd: bool = True, do_gshard: bool = True) -> Result:
+def check(prog: Program, gspmd: bool = True, do_gshard: bool = True,
+          on_stage=None) -> Result:
+  """Run ``prog`` on one device, through gshard and (``gspmd``) through GSPMD.
+
+  ``on_stage(name, outcome)`` is called after each of the two (a driver that
+  runs this in a subprocess learns which one took the process down).
+  """
   fn = prog.build()
   args = prog.args()
   try:
@@ -468,6 +477,8 @@ def check(prog: Program, gspmd: bool = True, do_gshard: bool = True) -> Result:
   in_specs = prog.in_specs
   g = run_one(prog, lambda: gshard.partition(fn, mesh, in_specs=in_specs), want,
               get_oracle) if do_gshard else None
+  if on_stage is not None and g is not None:
+    on_stage("gshard", g)
   x = None
   if gspmd:
     x = run_one(prog, lambda: gshard.gspmd_jit(fn, mesh, in_specs=in_specs), want,
