@@ -162,6 +162,60 @@ def check_isolated(worker: Worker, pid: str, gspmd: bool):
   return fuzzcheck.Result(prog, None, died, None), None, {}
 
 
+def op_head(line: str) -> str:
+  """A short name for the operation a program line performs (for grouping)."""
+  expr = line.split(" = ", 1)[1]
+  m = re.match(r"(\w+)\.at\[(.*)\]\.(\w+)\(", expr)
+  if m:
+    return f".at[{'scalar' if ',' not in m.group(2) and not re.search(r'[x(]', m.group(2)) else 'idx'}].{m.group(3)}"
+  if re.fullmatch(r"(\w+) \* jnp\.sum\(\1\)", expr):
+    return "x * jnp.sum(x)"
+  m = re.match(r"([\w.]+)\(", expr)
+  if m:
+    head = m.group(1)
+    head = re.sub(r"^[vux]\d+\.", ".", head)
+    if head == "jnp.pad":
+      head += "[" + re.search(r"mode='(\w+)'", expr).group(1) + "]"
+    if head in ("jnp.argmax", "jnp.argmin", "jnp.max", "jnp.min", "jnp.sum"):
+      head += "[axis=None]" if "axis=None" in expr else ""
+    return head
+  m = re.match(r"\w+(\[.*\]|\.T\[.*\])$", expr)
+  if m:
+    return "x[...]" if ".T[" not in expr else "x.T[i, j]"
+  m = re.match(r"[\w.]+ (\S+) [\w.]+$", expr) or re.match(r"([-~])\w+$", expr)
+  if m:
+    return "operator " + m.group(1)
+  m = re.match(r"\w+\.(\w+)\(", expr)
+  return m.group(1) if m else expr[:30]
+
+
+def localize_file(path: str, limit: int) -> None:
+  """Localize the gshard failures recorded in a failures file; group by op."""
+  ids = []
+  for line in open(path):
+    m = re.match(r"# ==== (\S+) \[\w+\] gshard: (\w+)", line)
+    if m and m.group(2) in ("wrong", "crash"):
+      ids.append(m.group(1))
+  groups = collections.defaultdict(list)
+  for pid in ids[:limit]:
+    prog = fuzzgen.from_seed(pid)
+    r = fuzzcheck.check(prog, gspmd=False)
+    if r.gshard is None or r.gshard.status == "pass":
+      print(f"{pid}: does not fail now")
+      continue
+    found = fuzzcheck.localize(prog, log=lambda s: None, outcome=r.gshard)
+    if found is None:
+      key = f"(no single line) {r.gshard.key}"
+    else:
+      k, line, mode, o = found
+      key = f"{op_head(line)} [{mode}] {o.key}"
+    groups[key].append(pid)
+    print(f"{pid}: {key}" + (f"   <- {found[1]}" if found else ""), flush=True)
+  print("\nfirst divergent op, by class:")
+  for key, pids in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+    print(f"  {len(pids):4d}  {key}   e.g. {' '.join(pids[:3])}")
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--examples", type=int,
@@ -172,10 +226,19 @@ def main(argv=None) -> int:
   ap.add_argument("--time-limit", type=float,
                   default=float(os.environ.get("FUZZ_TIME_LIMIT", "0")) or None)
   ap.add_argument("--replay", default=None, help="run one program, e.g. 1234-17")
+  ap.add_argument("--localize", action="store_true",
+                  help="with --replay: find the first line whose values differ")
+  ap.add_argument("--localize-file", default=None, metavar="FAILURES",
+                  help="localize every gshard failure of a failures file, grouped")
+  ap.add_argument("--limit", type=int, default=10 ** 9)
   ap.add_argument("--timeout", type=float, default=600.0,
                   help="seconds one program may take before it counts as a crash")
   args = ap.parse_args(argv)
   warnings.filterwarnings("ignore", category=UserWarning)
+
+  if args.localize_file:
+    localize_file(args.localize_file, args.limit)
+    return 0
 
   if args.replay:
     prog = fuzzgen.from_seed(args.replay)
@@ -187,6 +250,8 @@ def main(argv=None) -> int:
     print(describe(r, "gshard"))
     if r.gspmd:
       print(describe(r, "gspmd"))
+    if args.localize and failed(r.gshard):
+      fuzzcheck.localize(prog, outcome=r.gshard)
     return int(failed(r.gshard))
 
   seed = args.seed if args.seed is not None else random.SystemRandom().randint(0, 10 ** 6)

@@ -491,3 +491,47 @@ def check(prog: Program, gspmd: bool = True, do_gshard: bool = True,
       x.fallback = run_one(prog, lambda: gshard.gspmd_jit(constrained, mesh), want,
                            get_oracle)
   return Result(prog, None, g, x)
+
+
+def _cone(prog: Program, targets: set[str]) -> set[int]:
+  """Indices of the lines the values ``targets`` depend on."""
+  need, out = set(targets), set()
+  for k in reversed(range(len(prog.lines))):
+    names = prog.defined(prog.lines[k])
+    if need & set(names):
+      out.add(k)
+      need |= set(re.findall(r"\b[vux]\d+\b", prog.lines[k].split(" = ", 1)[1]))
+  return out
+
+
+def localize(prog: Program, log=print, outcome: Outcome | None = None):
+  """The first line of ``prog`` whose values differ (or that crashes) under gshard.
+
+  Runs prefixes of the program whose outputs are the values the last line
+  defines (value mode); when every forward value agrees and ``prog`` is a grad
+  program, the same with ``value_and_grad`` of each prefix. Returns (line
+  number, line, mode, Outcome) or None. Changing the outputs can change the
+  shardings propagation picks, so this is a guide, not a proof.
+  """
+  modes = ["value"] + (["grad"] if prog.mode == "grad" else [])
+  cone = set(range(len(prog.lines)))
+  if outcome is not None and outcome.status == "wrong" and prog.mode == "value":
+    bad = {m.leaf.split(":")[-1] for m in outcome.mismatches}
+    cone = _cone(prog, bad & set(prog.outputs)) or cone
+  for mode in modes:
+    for k, line in enumerate(prog.lines):
+      if k not in cone:
+        continue
+      outs = [n for n in prog.defined(line) if n not in prog.uncomparable]
+      if not outs:
+        continue
+      sub = dataclasses.replace(prog, lines=prog.lines[:k + 1], outputs=outs, mode=mode)
+      r = check(sub, gspmd=False)
+      if r.single_error:
+        continue
+      if r.gshard.status not in ("pass",):
+        log(f"first divergence ({mode}): line {k + 1}: {line}\n  {r.gshard.key}"
+            + "".join(f"\n    {m}" for m in r.gshard.mismatches))
+        return k + 1, line, mode, r.gshard
+  log("no prefix diverges on its own")
+  return None

@@ -241,6 +241,11 @@ class Program:
   mode: str                      # "value" or "grad"
   features: frozenset[str] = frozenset()
   seed: str = ""                 # from_seed(seed) rebuilds it
+  uncomparable: frozenset[str] = frozenset()   # values whose bits may depend on rounding
+
+  def defined(self, line: str) -> list[str]:
+    """The names a line of the body assigns."""
+    return [n.strip() for n in line.split(" = ", 1)[0].split(",") if n.strip()]
 
   @property
   def float_argnums(self) -> tuple[int, ...]:
@@ -341,6 +346,7 @@ class Gen:
     self.n_ops = d.int(1, max_ops)
     self._count = 0
     self._abstract: dict[str, jax.ShapeDtypeStruct] = {}
+    self.uncomparable: set[str] = set()
 
   # -- naming / emitting ----------------------------------------------------------
   def _name(self, prefix="v") -> str:
@@ -1108,6 +1114,7 @@ class Gen:
                                                           else "_axis"))
       if not idx_ok:
         outs[1].hidden = True     # indices of near-ties: not compared
+        self.uncomparable.add(outs[1].name)
         self.features.add("top_k:hidden_idx")
     elif kind == "unique":
       if not self.discrete_ok(v):
@@ -1364,7 +1371,7 @@ class Gen:
       self.features.add("in_specs")
     return Program(self.mesh_shape, self.axis_names, self.inputs, self.lines,
                    [v.name for v in outs], [v.dtype for v in outs], mode,
-                   frozenset(self.features))
+                   frozenset(self.features), uncomparable=frozenset(self.uncomparable))
 
   def _outputs(self) -> list[V]:
     made = [v for v in self.vars if not v.name.startswith("x") and not v.hidden]
