@@ -262,6 +262,7 @@ def main(argv=None) -> int:
   modes = collections.Counter()
   warned = invalid = 0
   scale_fallbacks = {}
+  safe_prims = collections.Counter()
   worker = Worker(args.timeout)
   t0 = time.time()
   n = 0
@@ -289,6 +290,7 @@ def main(argv=None) -> int:
       g_counts[r.gshard.key] += 1
       g_status[r.gshard.status] += 1
       warned += r.gshard.warned
+      safe_prims.update(r.gshard.safe_path)
       if r.gspmd is not None:
         x_counts[gspmd_key(r.gspmd)] += 1
         x_status[r.gspmd.status] += 1
@@ -340,6 +342,10 @@ def main(argv=None) -> int:
   if x_counts:
     print("\ngspmd classes:")
     for key, c in x_counts.most_common():
+      print(f"  {c:5d}  {key}")
+  if safe_prims:
+    print("\nsafe path taken (programs), by primitive:")
+    for key, c in safe_prims.most_common():
       print(f"  {c:5d}  {key}")
   if scale_fallbacks:
     print("\nscale rules missing (conservative fallback):", scale_fallbacks)

@@ -392,6 +392,7 @@ class Outcome:
   where: str = ""              # crash: "internal" (raised in gshard/) or the module
   mismatches: list = dataclasses.field(default_factory=list)
   warned: bool = False
+  safe_path: tuple = ()        # primitives (and why) that took the safe path
 
   fallback: "Outcome | None" = None   # gspmd: the run with in_specs as constraints
 
@@ -445,11 +446,15 @@ def run_one(prog: Program, fn_maker, want, get_oracle, refuse_status="crash") ->
     except Exception as e:  # noqa: BLE001 - classified
       return Outcome(refuse_status, _first_line(e), _where(e))
   warned = any(issubclass(w.category, gshard.PartitionWarning) for w in ws)
+  safe = tuple(sorted({re.sub(r"\d+", "N", m.group(1)) for w in ws
+                       if issubclass(w.category, gshard.PartitionWarning)
+                       for m in [re.search(r"no partition rule for (.*?) at ", str(w.message))]
+                       if m}))
   try:
     mm = compare(prog, got, want, get_oracle)
   except Exception as e:  # noqa: BLE001 - the oracle failed: not gshard's fault
-    return Outcome("checker", _first_line(e), _where(e), warned=warned)
-  return Outcome("wrong" if mm else "pass", mismatches=mm, warned=warned)
+    return Outcome("checker", _first_line(e), _where(e), warned=warned, safe_path=safe)
+  return Outcome("wrong" if mm else "pass", mismatches=mm, warned=warned, safe_path=safe)
 
 
 def check(prog: Program, gspmd: bool = True, do_gshard: bool = True,
