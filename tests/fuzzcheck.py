@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import re
 import traceback
@@ -145,7 +146,8 @@ _ELEMENTWISE_D = {   # |f'(a)| as a function of (a, out)
     "asinh": lambda a, o: 1.0, "sinh": lambda a, o: jnp.cosh(a),
     "cosh": lambda a, o: jnp.abs(jnp.sinh(a)),
 }
-_ZERO_ERROR = {"floor", "ceil", "round", "sign", "iota", "nextafter", "is_finite"}
+_ZERO_ERROR = {"floor", "ceil", "round", "sign", "iota", "nextafter", "is_finite", "empty",
+               "empty2"}
 _IDENTITY = {"sharding_annotation", "annotate", "optimization_barrier", "stop_gradient", "pvary", "copy"}
 
 
@@ -237,6 +239,8 @@ def _scales(name, p, vals, S, outs, eqn):
   if name == "dot_general":
     return [lax.dot_general(S[0], S[1], p["dimension_numbers"],
                             preferred_element_type=jnp.float64)]
+  if name == "stack" and all(x is not None for x in S):
+    return [eqn.primitive.bind(*S, **p)]
   if name == "concatenate":
     return [lax.concatenate(S, p["dimension"])]
   if name == "pad":
@@ -271,7 +275,7 @@ def _scales(name, p, vals, S, outs, eqn):
     return [None]
   # no rule: |out| + the largest input scale (conservative)
   SCALE_FALLBACKS[name] += 1
-  big = max([jnp.max(s) for s in fS], default=0.0) if fS else 0.0
+  big = functools.reduce(jnp.maximum, [jnp.max(s) for s in fS], jnp.float64(0))
   return [(_abs(x) + big) if _isfloat(x) else None for x in outs]
 
 

@@ -974,8 +974,8 @@ class Gen:
 
   def _start(self, n: int, size: int) -> tuple[str, list[V]]:
     """A scalar start index, often out of range (dynamic_slice clamps it)."""
-    if self.d.bool(0.2):
-      return str(self.d.int(0, n - size)), []
+    if self.d.bool(0.2):   # typed: a Python int would be int64 in the float64 oracle
+      return f"i32({self.d.int(0, n - size)})", []
     v = self.index_input((), -2, n + 1)
     return v.name, [v]
 
