@@ -133,7 +133,7 @@ def _eval(jaxpr: Jaxpr, consts, args):
 _STRUCTURAL = {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims",
                "slice", "rev", "copy", "copy_p", "reduce_precision", "reduce_sum",
                "cumsum", "reduce_max", "reduce_min", "cummax", "cummin", "reduce_prod",
-               "cumprod", "split", "real"}
+               "cumprod", "split", "unstack", "real"}
 _MAXLIKE_2 = {"max", "min"}
 _ELEMENTWISE_D = {   # |f'(a)| as a function of (a, out)
     "sin": lambda a, o: 1.0, "cos": lambda a, o: 1.0, "tanh": lambda a, o: 1.0,
