@@ -3,6 +3,8 @@
 #   make test   run the test suite on 8 emulated CPU devices
 #   make demo   run examples/demo.py
 #   make bench  run the benchmarks and write docs/benchmarks.md
+#   make fuzz   random programs through gshard and GSPMD (FUZZ_EXAMPLES=2000,
+#               FUZZ_SEED=random); failing repros go to fuzz-failures.txt
 #   make clean  remove caches and build artifacts (keeps .venv; see distclean)
 
 PYTHON ?= python3.11
@@ -10,7 +12,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench clean distclean
+.PHONY: venv test demo bench fuzz clean distclean
 
 venv: $(STAMP)
 
@@ -35,6 +37,11 @@ bench: venv
 	$(PY) benchmarks/scaling.py
 	$(PY) benchmarks/moe.py --devices 2,4,8,16,32
 	$(PY) benchmarks/run.py
+
+FUZZ_EXAMPLES ?= 2000
+FUZZ_SEED     ?=
+fuzz: venv
+	$(PY) tests/fuzz_main.py --examples $(FUZZ_EXAMPLES) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED)) --out fuzz-failures.txt
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis $(STAMP)
