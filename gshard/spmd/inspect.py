@@ -107,7 +107,8 @@ class Lowered:
     lines.append("largest communication first:")
     groups: dict[tuple, list[Collective]] = collections.defaultdict(list)
     for c in cols:
-      groups[(c.kind, c.axes, c.source, c.primitive, c.role, str(c.src), str(c.dst))].append(c)
+      groups[(c.kind, c.axes, c.source, c.primitive, c.role, str(c.src), str(c.dst),
+              c.shape, c.dtype)].append(c)
     ranked = sorted(groups.values(), key=lambda g: -sum(c.bytes for c in g))
     for g in ranked[:top]:
       c = g[0]

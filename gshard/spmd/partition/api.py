@@ -95,16 +95,20 @@ def _body(ctx: Context, result: ShardingResult, in_sh, out_sh, avals, out_leaves
 
   def body(*xs):
     ctx.recorder.clear()
+    ctx.forget()
     vals = [Value(x, s, tuple(a.shape), a.dtype) for x, s, a in zip(xs, in_sh, avals)]
-    outs = run_jaxpr(ctx, closed.jaxpr, (), closed.consts, vals)
-    res = []
-    for j, (o, s) in enumerate(zip(outs, out_sh)):
-      if o.literal:
-        leaf = out_leaves[j]
-        res.append(jax.numpy.broadcast_to(jax.numpy.asarray(o.x, leaf.dtype),
-                                          s.local_shape(leaf.shape, ctx.mesh_sizes)))
-      else:
-        res.append(ctx.reshard(o, s, None, f"output {j}").x)
+    try:
+      outs = ctx.run_jaxpr(closed.jaxpr, (), closed.consts, vals)
+      res = []
+      for j, (o, s) in enumerate(zip(outs, out_sh)):
+        if o.literal:
+          leaf = out_leaves[j]
+          res.append(jax.numpy.broadcast_to(jax.numpy.asarray(o.x, leaf.dtype),
+                                            s.local_shape(leaf.shape, ctx.mesh_sizes)))
+        else:
+          res.append(ctx.reshard(o, s, None, f"output {j}").x)
+    finally:
+      ctx.forget()
     return tuple(res)
   return body
 
