@@ -81,18 +81,12 @@ def _short(file_name: str) -> str:
   return path
 
 
-def _frames(traceback):
-  """(file, function, line, column) per frame, innermost first."""
-  if traceback is None:
-    return
-  codes, lastis = traceback.raw_frames()
+def _location(traceback, code, lasti) -> tuple[int, int]:
+  """(line, column) of one raw frame."""
   locate = getattr(type(traceback), "code_addr2location", None)
-  for code, lasti in zip(codes, lastis):
-    if locate is not None:
-      line, col = locate(code, lasti)[:2]
-    else:   # an older jaxlib: the line only
-      line, col = type(traceback).code_addr2line(code, lasti), 0
-    yield code.co_filename, code.co_qualname, line, col
+  if locate is not None:
+    return tuple(locate(code, lasti)[:2])
+  return type(traceback).code_addr2line(code, lasti), 0   # an older jaxlib: the line only
 
 
 def _format(file_name, function, line, col) -> str:
@@ -111,17 +105,23 @@ def source_of(eqn) -> str:
 
 def summarize(traceback) -> str:
   """:func:`source_of` of a jaxlib ``Traceback`` (``eqn.source_info.traceback``)."""
-  via = None
-  for file_name, function, line, col in _frames(traceback):
-    kind = _kind(file_name)
+  if traceback is None:
+    return ""
+  first = None      # the innermost library frame: (code, lasti)
+  for code, lasti in zip(*traceback.raw_frames()):
+    kind = _kind(code.co_filename)
     if kind == "core":
       continue
     if kind == "user":
-      where = _format(file_name, function, line, col)
-      return f"{where} via {via}" if via else where
-    if via is None:
-      via = f"{_short(file_name)}:{line}"
-      first = (file_name, function, line, col)
-  if via is not None:
-    return _format(*first)
+      where = _format(code.co_filename, code.co_qualname,
+                      *_location(traceback, code, lasti))
+      if first is None:
+        return where
+      return f"{where} via {_short(first[0].co_filename)}:" \
+             f"{_location(traceback, *first)[0]}"
+    if first is None:
+      first = (code, lasti)
+  if first is not None:
+    code, lasti = first
+    return _format(code.co_filename, code.co_qualname, *_location(traceback, code, lasti))
   return ""
