@@ -2,7 +2,7 @@
 #   make venv   create .venv (if missing) and install gshard[test] with exact pins
 #   make test   run the test suite on 8 emulated CPU devices
 #   make demo   run examples/demo.py
-#   make bench  run the benchmarks and write docs/benchmarks.md
+#   make bench  run the benchmarks and write docs/benchmarks*.md
 #   make fuzz   random programs through gshard and GSPMD (FUZZ_EXAMPLES=2000,
 #               FUZZ_SEED=random); failing repros go to fuzz-failures.txt
 #   make clean  remove caches and build artifacts (keeps .venv; see distclean)
@@ -37,6 +37,7 @@ bench: venv
 	$(PY) benchmarks/scaling.py
 	$(PY) benchmarks/moe.py --devices 2,4,8,16,32
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/dispatch.py
 
 FUZZ_EXAMPLES ?= 2000
 FUZZ_SEED     ?=

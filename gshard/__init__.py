@@ -7,6 +7,7 @@ Public API::
   gshard.infer_shardings                           propagation over a whole program
   gshard.partition                                 the per-device program, run or lowered
   gshard.TensorSharding                            the sharding value
+  gshard.PaddedArray / gshard.unpad                uneven state kept split between calls
   gshard.coverage                                  which primitives take the safe path
   gshard.gspmd_jit                                 the same annotations, through XLA GSPMD
 """
@@ -18,9 +19,10 @@ from gshard.gspmd import gspmd_jit
 from gshard.spmd.infer import ShardingResult, infer_shardings
 from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.partition.context import Collective, PartitionWarning
+from gshard.spmd.partition.padded import PaddedArray, unpad
 from gshard.spmd.sharding import TensorSharding
 
-__all__ = ["Collective", "Coverage", "PartitionWarning", "Partitioned", "ShardingResult",
-           "TensorSharding", "coverage", "gspmd_jit", "infer_shardings", "make_mesh",
-           "partition", "replicate", "shard", "split"]
+__all__ = ["Collective", "Coverage", "PaddedArray", "PartitionWarning", "Partitioned",
+           "ShardingResult", "TensorSharding", "coverage", "gspmd_jit", "infer_shardings",
+           "make_mesh", "partition", "replicate", "shard", "split", "unpad"]
 __version__ = "0.1.0"

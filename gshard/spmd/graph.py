@@ -15,12 +15,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from gshard.spmd import factors, registry
 from gshard.spmd.rules import Constraint, FactorRule, Ref, as_op_rule
 from gshard.spmd.sharding import TensorSharding, mesh_str
+from gshard.spmd.source import source_of
 
 Scope = tuple          # path of (eqn index, param path) from the top jaxpr
 
@@ -56,11 +56,6 @@ class Bound:
   results: list[Tensor | None]
   eqn: Any
   scope: Scope
-
-
-def source_of(eqn) -> str:
-  """The user's ``file:line`` of ``eqn`` (jax's traceback filtering applied)."""
-  return source_info_util.summarize(eqn.source_info)
 
 
 # -- building the graph ------------------------------------------------------

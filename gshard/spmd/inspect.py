@@ -36,19 +36,17 @@ class Lowered:
 
   def per_device_jaxpr(self):
     """The body of the shard_map: the program each device runs (a Jaxpr)."""
-    # the shard_map sees uneven arguments padded to a multiple of their shards
-    prog, sizes = self._program, self._p.mesh_sizes
-    structs = [jax.ShapeDtypeStruct(s.padded_shape(a.shape, sizes), a.dtype)
-               for a, s in zip(prog.flat_avals, prog.in_shardings)]
-    closed = jax.make_jaxpr(prog.shard_fn)(*structs)
+    # the shard_map of the padded arguments, traced once when it was built
+    closed = self._program.per_device()
     for eqn in closed.jaxpr.eqns:
       if eqn.primitive.name == "shard_map":
         return eqn.params["jaxpr"]
     return closed.jaxpr
 
-  def compile(self):
-    """XLA-compile the lowered program (``.as_text()``, ``memory_analysis()``, ``cost_analysis()``)."""
-    return self._lowered.compile()
+  def compile(self) -> Compiled:
+    """XLA-compile the lowered program (``.as_text()``, ``memory_analysis()``,
+    ``cost_analysis()``); call it like the partitioned function."""
+    return Compiled(self._lowered.compile())
 
   # -- shardings -------------------------------------------------------------
   @property
@@ -107,7 +105,8 @@ class Lowered:
     lines.append("largest communication first:")
     groups: dict[tuple, list[Collective]] = collections.defaultdict(list)
     for c in cols:
-      groups[(c.kind, c.axes, c.source, c.primitive, c.role, str(c.src), str(c.dst))].append(c)
+      groups[(c.kind, c.axes, c.source, c.primitive, c.role, str(c.src), str(c.dst),
+              c.shape, c.dtype)].append(c)
     ranked = sorted(groups.values(), key=lambda g: -sum(c.bytes for c in g))
     for g in ranked[:top]:
       c = g[0]
@@ -134,6 +133,36 @@ class Lowered:
       if len(res.conflicts) > 10:
         lines.append(f"  ... {len(res.conflicts) - 10} more")
     return "\n".join(lines)
+
+
+class Compiled:
+  """The compiled partitioned program: jax's ``Compiled``, called like the
+  partitioned function (the same argument pytree; laid out as
+  ``Lowered.in_shardings``, or it is an error, as for jax). Called with the
+  flat leaves of the arguments instead, it returns the flat leaves of the
+  outputs.
+
+  Attributes:
+    compiled: jax's ``Compiled`` (``as_text()``, ``memory_analysis()`` ...,
+      which are also reachable on this object).
+  """
+
+  def __init__(self, compiled):
+    self.compiled = compiled
+
+  def __call__(self, *args):
+    try:
+      return self.compiled(*args)
+    except TypeError:
+      args_tree, _ = self.compiled.in_tree.children()
+      if len(args) != self.compiled.in_tree.num_leaves or \
+          jax.tree_util.tree_structure(args) == args_tree:
+        raise
+    tree = jax.tree_util.tree_unflatten(args_tree, args)
+    return jax.tree_util.tree_leaves(self.compiled(*tree))
+
+  def __getattr__(self, name):
+    return getattr(self.compiled, name)
 
 
 def _hint(c: Collective) -> str:

@@ -2,90 +2,165 @@
 
 Building the program for one input signature is a few named steps
 (:meth:`Partitioned._build`): analyze (trace + pin + propagate, shared with
-``infer_shardings`` and ``coverage``), the boundary layouts, the per-device
-body, the uneven-boundary wrapper, and ``jax.jit``.
+``infer_shardings`` and ``coverage``), the state pairing and the boundary
+layouts, the per-device body and its ``shard_map``.
+
+Running it is one ``jax.jit`` of the argument pytree (:meth:`Partitioned._run`),
+so jax's C++ dispatch looks the executable up (tree, shapes, dtypes, weak
+types, layouts) with no Python work per leaf. The expensive steps run when jax
+traces: ``_run`` finds (or builds) the :class:`Program` for the logical
+signature and calls its ``shard_map``. Before anything heavy, a trace whose
+state arrives off the mesh (numpy, a fresh ``jnp`` array, a Python scalar) or
+uneven state that arrives unpadded raises :class:`_Place`; ``__call__`` lays
+those leaves out as the program keeps them and dispatches again, so the
+compiled program is the one every later step hits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import Literal
-from jax.sharding import NamedSharding
+from jax.extend.core import Literal, jaxpr_as_fun
+from jax.sharding import AbstractMesh, NamedSharding
 
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
-from gshard.spmd.sharding import TensorSharding, mesh_sizes_of
+from gshard.spmd.partition.padded import (PaddedArray, is_padded, logical_struct, pad_to)
+from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str, short_dtype
 
 
 @dataclasses.dataclass
 class Program:
-  """Everything built for one input signature of a :class:`Partitioned`.
+  """Everything built for one (logical) input signature of a :class:`Partitioned`.
 
   Attributes:
     result: what propagation found (the global program and every sharding).
     in_shardings, out_shardings: the layouts of the flat inputs and outputs
       inside the partitioned program (uneven dims padded).
     out_tree: the outputs' tree structure.
-    jitted: the compiled-on-first-call function of the placed flat inputs.
     shard_fn: the ``shard_map`` of the per-device body (padded inputs).
     recorder: every collective and safe-path fallback of the per-device program
       (filled when it is traced).
-    timings: seconds per phase (trace, propagate, partition_setup, lower).
-    flat_avals: shape and dtype of each flat input.
-    in_place: the even layouts the inputs are placed with outside the program.
+    timings: seconds per phase (trace, propagate, partition_setup: the boundary
+      and the per-device program, lower: jax's lowering).
+    flat_avals: logical shape, dtype and weak type of each flat input.
+    in_place: the even layout a plain (not padded) input is placed with.
+    out_avals: logical shape and dtype of each flat output.
+    pairs: flat output -> the flat input it is the next value of (state).
+    padded_out: the flat outputs returned as :class:`PaddedArray`.
+    mesh_sizes: mesh axis name -> size.
   """
 
   result: ShardingResult
   in_shardings: list[TensorSharding]
   out_shardings: list[TensorSharding]
   out_tree: Any
-  jitted: Callable
   shard_fn: Callable
   recorder: Recorder
   timings: dict[str, float]
   flat_avals: list[jax.ShapeDtypeStruct]
   in_place: list[TensorSharding]
+  out_avals: list[jax.ShapeDtypeStruct]
+  pairs: dict[int, int]
+  padded_out: list[bool]
+  mesh_sizes: dict[str, int]
+  _traced: Any = None
+
+  def per_device(self):
+    """The ``shard_map`` of the per-device program, traced on first use (the
+    partition rules run then) as a ``ClosedJaxpr`` of the padded inputs; every
+    later jax trace (another input layout, ``lower()``) replays it."""
+    if self._traced is None:
+      t0 = time.perf_counter()
+      self._traced = jax.make_jaxpr(self.shard_fn)(*[
+          jax.ShapeDtypeStruct(self.padded_shape(i), a.dtype, weak_type=a.weak_type)
+          for i, a in enumerate(self.flat_avals)])
+      self.timings["partition_setup"] = (self.timings.get("partition_setup", 0.0)
+                                         + time.perf_counter() - t0)
+    return self._traced
+
+  @property
+  def state_inputs(self) -> frozenset[int]:
+    """Flat inputs whose next value the program returns."""
+    return frozenset(self.pairs.values())
+
+  def padded_shape(self, i: int) -> tuple[int, ...]:
+    """Input ``i``'s global shape inside the program (uneven dims padded)."""
+    return self.in_shardings[i].padded_shape(self.flat_avals[i].shape, self.mesh_sizes)
+
+  def padded_in(self, i: int) -> bool:
+    """Whether input ``i`` is split unevenly inside the program."""
+    return self.padded_shape(i) != tuple(self.flat_avals[i].shape)
+
+  def apply(self, xs, padded_forms):
+    """Run on the flat inputs (padded data where ``padded_forms``), inside jit."""
+    ins = []
+    for i, (x, form) in enumerate(zip(xs, padded_forms)):
+      full, shape = self.padded_shape(i), tuple(self.flat_avals[i].shape)
+      if form and tuple(x.shape) != full:       # padded for another layout
+        x = x[tuple(slice(0, n) for n in shape)]
+      if tuple(x.shape) != full:
+        x = jax.numpy.pad(x, [(0, f - n) for f, n in zip(full, x.shape)])
+      ins.append(x)
+    outs = jaxpr_as_fun(self.per_device())(*ins)
+    res = []
+    for o, a, padded in zip(outs, self.out_avals, self.padded_out):
+      shape = tuple(a.shape)
+      if padded:
+        res.append(PaddedArray(o, shape))
+      else:
+        res.append(o if tuple(o.shape) == shape else o[tuple(slice(0, n) for n in shape)])
+    return jax.tree_util.tree_unflatten(self.out_tree, res)
 
 
-def _signature(leaves) -> tuple:
-  return tuple((tuple(np.shape(x)), str(_dtype_of(x)),
-                bool(getattr(x, "weak_type", False))) for x in leaves)
+class _Place(Exception):
+  """Raised while jax traces, before any heavy work: the state leaves ``need``
+  must first be laid out as the program keeps them."""
+
+  def __init__(self, program: Program, need: list[int]):
+    super().__init__(f"state inputs {need} are laid out before the call")
+    self.program, self.need = program, need
 
 
-def _dtype_of(x):
-  """The dtype jax will see for ``x``, without copying it (key dtypes kept)."""
-  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    return dtype
-  return jax.dtypes.canonicalize_dtype(dtype)
+def pair_state(args, out_shape) -> dict[int, int]:
+  """Which outputs are the next value of which inputs, as flat leaf indices.
 
-
-def _padded(shard_fn, in_sh, in_shapes, out_sh, out_shapes, mesh_sizes):
-  """Wrap ``shard_fn`` for uneven layouts, which jax cannot place.
-
-  Arguments arrive evenly placed; they are padded up to a multiple of their
-  shards (zeros) before the per-device program, and outputs are sliced back
-  to their logical shapes after it.
+  Each top-level element of a tuple (or list) output, else the whole output,
+  is matched with a positional argument of the same tree structure, leaf
+  shapes and dtypes: the argument at its own position first, else the first
+  one not matched yet.
   """
-  def fn(*xs):
-    padded = []
-    for x, s, shape in zip(xs, in_sh, in_shapes):
-      full = s.padded_shape(shape, mesh_sizes)
-      if full != tuple(shape):
-        x = jax.numpy.pad(x, [(0, f - n) for f, n in zip(full, shape)])
-      padded.append(x)
-    outs = shard_fn(*padded)
-    return tuple(o if tuple(o.shape) == shape else o[tuple(slice(0, n) for n in shape)]
-                 for o, shape in zip(outs, out_shapes))
-  return fn
+  def elements(xs):
+    out, k = [], 0
+    for x in xs:
+      leaves, tree = jax.tree_util.tree_flatten(x)
+      out.append((tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves), k))
+      k += len(leaves)
+    return out
+
+  ins = elements(args)
+
+  def match(outs):
+    pairs, used = {}, set()
+    for k, (tree, sig, off) in enumerate(outs):
+      order = ([k] if k < len(ins) else []) + [i for i in range(len(ins)) if i != k]
+      for i in order:
+        if sig and i not in used and ins[i][:2] == (tree, sig):
+          used.add(i)
+          pairs.update({off + n: ins[i][2] + n for n in range(len(sig))})
+          break
+    return pairs
+
+  pairs = match(elements(out_shape)) if type(out_shape) in (tuple, list) else {}
+  return pairs or match(elements((out_shape,)))
 
 
 def _body(ctx: Context, result: ShardingResult, in_sh, out_sh, avals, out_leaves):
@@ -95,62 +170,119 @@ def _body(ctx: Context, result: ShardingResult, in_sh, out_sh, avals, out_leaves
 
   def body(*xs):
     ctx.recorder.clear()
+    ctx.forget()
     vals = [Value(x, s, tuple(a.shape), a.dtype) for x, s, a in zip(xs, in_sh, avals)]
-    outs = run_jaxpr(ctx, closed.jaxpr, (), closed.consts, vals)
-    res = []
-    for j, (o, s) in enumerate(zip(outs, out_sh)):
-      if o.literal:
-        leaf = out_leaves[j]
-        res.append(jax.numpy.broadcast_to(jax.numpy.asarray(o.x, leaf.dtype),
-                                          s.local_shape(leaf.shape, ctx.mesh_sizes)))
-      else:
-        res.append(ctx.reshard(o, s, None, f"output {j}").x)
+    try:
+      outs = ctx.run_jaxpr(closed.jaxpr, (), closed.consts, vals)
+      res = []
+      for j, (o, s) in enumerate(zip(outs, out_sh)):
+        if o.literal:
+          leaf = out_leaves[j]
+          res.append(jax.numpy.broadcast_to(jax.numpy.asarray(o.x, leaf.dtype),
+                                            s.local_shape(leaf.shape, ctx.mesh_sizes)))
+        else:
+          res.append(ctx.reshard(o, s, None, f"output {j}").x)
+    finally:
+      ctx.forget()
     return tuple(res)
   return body
+
+
+def _shape_str(a) -> str:
+  return f"{short_dtype(a.dtype)}[{','.join(map(str, a.shape))}]"
+
+
+def _check_donate(donate_argnums) -> tuple[int, ...]:
+  """``donate_argnums`` as a sorted tuple of ints; anything else is an error."""
+  nums = (donate_argnums,) if isinstance(donate_argnums, (int, np.integer)) or \
+      not isinstance(donate_argnums, (tuple, list, range)) else tuple(donate_argnums)
+  for n in nums:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+      raise TypeError(f"donate_argnums={donate_argnums!r}: {n!r} is not an int. Give "
+                      "the positions of the arguments to donate: an int or a tuple of "
+                      "ints, e.g. donate_argnums=(0,).")
+    if n < 0:
+      raise ValueError(f"donate_argnums={donate_argnums!r}: {n} is negative. Count "
+                       "positions from 0 (the first argument is 0).")
+  return tuple(sorted({int(n) for n in nums}))
 
 
 class Partitioned:
   """A function partitioned over a mesh; call it like the original.
 
   ``step(*args)`` runs the per-device program on the mesh and returns global
-  ``jax.Array``s; ``step.lower(*args)`` gives the inspection object. Each new
-  input signature (shapes, dtypes, tree) is traced, propagated, partitioned
-  and compiled once, as ``jax.jit`` does.
+  ``jax.Array``s (and :class:`PaddedArray` for state kept split unevenly);
+  ``step.lower(*args)`` gives the inspection object. Each new input signature
+  (tree, shapes, dtypes, weak types) is traced, propagated and partitioned
+  once; jax compiles it once per input layout, as ``jax.jit`` does.
   """
 
   def __init__(self, fn: Callable, mesh, in_specs=None, out_specs=None,
                strict: bool = False, donate_argnums: Sequence[int] | int = ()):
+    if not isinstance(strict, bool):
+      raise TypeError(f"strict must be True or False, got {strict!r} "
+                      f"({type(strict).__name__}). strict=True raises where a primitive "
+                      "without a partition rule would gather its operands.")
     self.fn = fn
     self.mesh = mesh
     self.mesh_sizes = mesh_sizes_of(mesh)
     self.in_specs = in_specs
     self.out_specs = out_specs
     self.strict = strict
-    self.donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
-                           else tuple(donate_argnums))
+    self.donate_argnums = _check_donate(donate_argnums)
+    self._abstract = isinstance(mesh, AbstractMesh)
+    self._mesh_type = mesh if self._abstract else mesh.abstract_mesh
     self._cache: dict[tuple, Program] = {}
+    self._local = threading.local()     # .placing: a dispatch of laid-out state
     self.__wrapped__ = fn
     self.__name__ = getattr(fn, "__name__", "partitioned")
 
+    def run(*args):
+      return self._run(*args)
+    run.__name__ = run.__qualname__ = self.__name__
+    self._jit = jax.jit(run, donate_argnums=self.donate_argnums)
+
   # -- building -------------------------------------------------------------
   def program(self, *args) -> Program:
-    """The :class:`Program` for this input signature, built once and cached."""
-    leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
-    key = (treedef, _signature(leaves))
+    """The :class:`Program` for this input signature, built once and cached.
+
+    ``args`` may be arrays, ``ShapeDtypeStruct``s, :class:`PaddedArray`s or
+    scalars; the key is the tree and each leaf's logical shape, dtype and weak
+    type (``jax.typeof(0)`` is a weak ``int32``, as is ``step + 1``)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
+    return self._program(leaves, treedef)
+
+  def _program(self, leaves, treedef) -> Program:
+    structs = [logical_struct(x) for x in leaves]
+    key = (treedef, tuple((tuple(s.shape), str(s.dtype), bool(s.weak_type))
+                          for s in structs))
     prog = self._cache.get(key)
     if prog is None:
-      prog = self._build(args)
+      # traced on the arguments as given (a committed array's layout can change
+      # what jax traces); a PaddedArray as the array it stands for
+      args = jax.tree_util.tree_unflatten(
+          treedef, [s if is_padded(x) else x for x, s in zip(leaves, structs)])
+      prog = self._build(args, jax.tree_util.tree_unflatten(treedef, structs), structs)
       self._cache[key] = prog
     return prog
 
-  def _build(self, args) -> Program:
-    result = analyze(self.fn, self.mesh_sizes, args, self.in_specs, self.out_specs)
+  def _build(self, args, logical_args, avals) -> Program:
+    try:
+      result = analyze(self.fn, self.mesh_sizes, args, self.in_specs, self.out_specs)
+    except ValueError as e:
+      if self.out_specs is None or not str(e).startswith("out_specs must be"):
+        raise
+      outs = jax.tree_util.tree_map(_shape_str, jax.eval_shape(self.fn, *logical_args))
+      raise ValueError(
+          f"out_specs={self.out_specs} does not fit what {self.__name__} returns: "
+          f"{str(outs).replace(chr(39), '')}. Give one entry per output in that "
+          "structure (None leaves them to propagation), or one PartitionSpec for all "
+          f"of them, on mesh {mesh_str(self.mesh_sizes)}.") from None
     timings = dict(result.timings)
     t0 = time.perf_counter()
-    leaves = jax.tree_util.tree_leaves(tuple(args))
-    avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in leaves]
     out_leaves, out_tree = jax.tree_util.tree_flatten(result.out_shape)
-    in_sh, out_sh = self._boundary(result, out_leaves)
+    pairs = pair_state(logical_args, result.out_shape)
+    in_sh, out_sh, padded_out = self._boundary(result, out_leaves, pairs)
     ctx = Context(result.graph, self.mesh_sizes, Recorder(), self.strict, run_jaxpr)
     shard_fn = jax.shard_map(_body(ctx, result, in_sh, out_sh, avals, out_leaves),
                              mesh=self.mesh,
@@ -158,66 +290,156 @@ class Partitioned:
                              out_specs=tuple(s.to_spec() for s in out_sh),
                              check_vma=False)
     in_place = [evenize(s, a.shape, self.mesh_sizes) for s, a in zip(in_sh, avals)]
-    out_shapes = [tuple(o.shape) for o in out_leaves]
-    fn = shard_fn
-    if in_place != in_sh or any(not s.is_even(n, self.mesh_sizes)
-                                for s, n in zip(out_sh, out_shapes)):
-      fn = _padded(shard_fn, in_sh, [tuple(a.shape) for a in avals], out_sh, out_shapes,
-                   self.mesh_sizes)
-    jitted = jax.jit(fn, donate_argnums=self._flat_donate(args))
     timings["partition_setup"] = time.perf_counter() - t0
-    return Program(result, in_sh, out_sh, out_tree, jitted, shard_fn, ctx.recorder, timings,
-                   avals, in_place)
+    return Program(result, in_sh, out_sh, out_tree, shard_fn, ctx.recorder, timings,
+                   list(avals), in_place, list(out_leaves), pairs, padded_out,
+                   self.mesh_sizes)
 
-  def _boundary(self, result: ShardingResult, out_leaves):
-    """The layouts of the program's flat inputs and outputs (no pending sums)."""
+  def _boundary(self, result: ShardingResult, out_leaves, pairs):
+    """The layouts of the program's flat inputs and outputs (no pending sums),
+    and which outputs come back as :class:`PaddedArray`.
+
+    An output with an ``out_specs`` entry takes it; one that is the next value
+    of an input (``pairs``) takes that input's layout, so state keeps its
+    layout from step to step, unless an annotation on the returned value
+    fixes another; any other takes its propagated sharding. A
+    state output split unevenly comes back padded (:class:`PaddedArray`), so
+    it stays split; any other uneven output is sliced back to its logical
+    shape (and laid out evenly by jax)."""
     jaxpr = result.jaxpr.jaxpr
     in_sh = [result.sharding(v).without_partial() for v in jaxpr.invars]
     _, _, specs = flatten_specs(self.out_specs, result.out_shape, "out_specs")
-    out_sh = []
-    for var, leaf, spec in zip(jaxpr.outvars, out_leaves, specs):
+    out_sh, padded = [], []
+    for j, (var, leaf, spec) in enumerate(zip(jaxpr.outvars, out_leaves, specs)):
+      t = None if isinstance(var, Literal) else result.graph.tensors.get(((), var))
       if spec is not None:
         s = spec_to_pin(spec, leaf.shape, self.mesh_sizes, "out_specs")[0]
+      elif j in pairs and not (t is not None and t.fixed):
+        s = in_sh[pairs[j]]
       elif not isinstance(var, Literal):
         s = result.sharding(var).without_partial()
       else:
         s = TensorSharding.replicated(len(leaf.shape))
       out_sh.append(s)
-    return in_sh, out_sh
-
-  def _flat_donate(self, args) -> tuple[int, ...]:
-    out, k = [], 0
-    for i, a in enumerate(args):
-      n = len(jax.tree_util.tree_leaves(a))
-      if i in self.donate_argnums:
-        out += range(k, k + n)
-      k += n
-    return tuple(out)
+      padded.append(j in pairs and not s.is_even(leaf.shape, self.mesh_sizes))
+    return in_sh, out_sh, padded
 
   # -- running --------------------------------------------------------------
+  def _run(self, *args):
+    """What ``jax.jit`` traces: the program for these arguments, on their tracers."""
+    leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
+    self._check_arity(len(args))
+    prog = self._program(leaves, treedef)
+    if not getattr(self._local, "placing", False):
+      need = [i for i in sorted(prog.state_inputs) if not self._in_place(prog, i, leaves[i])]
+      if need:
+        raise _Place(prog, need)
+    flat = [x.data if is_padded(x) else x for x in leaves]
+    return prog.apply(flat, [is_padded(x) for x in leaves])
+
+  def _in_place(self, prog: Program, i: int, x) -> bool:
+    """Whether state input ``i`` arrives as the program keeps it: on this mesh,
+    and padded if it is split unevenly."""
+    if prog.padded_in(i) and not is_padded(x):
+      return False
+    return jax.typeof(x.data if is_padded(x) else x).sharding.mesh == self._mesh_type
+
+  def _check_arity(self, n: int) -> None:
+    bad = [d for d in self.donate_argnums if d >= n]
+    if bad:
+      raise ValueError(
+          f"donate_argnums={self.donate_argnums} names argument {bad[0]}, but "
+          f"{self.__name__} was called with {n} positional argument(s) (positions "
+          f"0..{n - 1}). Pass donate_argnums only for arguments the call has.")
+
+  def _place_leaf(self, prog: Program, i: int, x):
+    """State input ``i`` laid out as the program keeps it (padded if uneven)."""
+    s = prog.in_shardings[i]
+    if prog.padded_in(i):
+      full = prog.padded_shape(i)
+      sharding = NamedSharding(self.mesh, s.to_spec())
+      if is_padded(x) and tuple(x.data.shape) == full:
+        return PaddedArray(jax.device_put(x.data, sharding), x.shape)
+      return pad_to(x.logical() if is_padded(x) else x, full, sharding)
+    value = x.logical() if is_padded(x) else x
+    return jax.device_put(value, NamedSharding(self.mesh, prog.in_place[i].to_spec()))
+
+  def _placed(self, args, prog: Program, need) -> tuple:
+    """``args`` with the flat inputs ``need`` laid out as ``prog`` takes them."""
+    leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
+    for i in need:
+      leaves[i] = self._place_leaf(prog, i, leaves[i])
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  def _foreign(self, leaves) -> list[int]:
+    """Flat inputs committed to devices outside the mesh (jax refuses them)."""
+    devices = set(self.mesh.devices.flat)
+    out = []
+    for i, x in enumerate(leaves):
+      x = x.data if is_padded(x) else x
+      if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != devices:
+        out.append(i)
+    return out
+
   def __call__(self, *args):
-    prog = self.program(*args)
-    leaves = jax.tree_util.tree_leaves(tuple(args))
-    placed = [jax.device_put(x, NamedSharding(self.mesh, s.to_spec()))
-              for x, s in zip(leaves, prog.in_place)]
-    outs = prog.jitted(*placed)
-    return jax.tree_util.tree_unflatten(prog.out_tree, list(outs))
+    if self._abstract:
+      raise RuntimeError(
+          f"{self.__name__} is partitioned over an AbstractMesh "
+          f"{mesh_str(self.mesh_sizes)}, which has no devices to run on. Inspect or "
+          f"compile it with {self.__name__}.lower(*args, platform='tpu') (arrays or "
+          "jax.ShapeDtypeStructs), or partition over a concrete mesh "
+          "(gshard.make_mesh) to run it.")
+    try:
+      return self._jit(*args)
+    except _Place as p:
+      placed = self._placed(args, p.program, p.need)
+    except ValueError:
+      leaves, _ = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
+      foreign = self._foreign(leaves)
+      if not foreign:
+        raise
+      # arguments committed to devices outside the mesh: moved onto it
+      return self(*self._placed(args, self.program(*args), foreign))
+    self._local.placing = True     # laid out now: trace without checking again
+    try:
+      return self._jit(*placed)
+    finally:
+      self._local.placing = False
 
   def lower(self, *args, platform: str | None = None):
     """Lower for inspection; ``args`` may be ``jax.ShapeDtypeStruct``s.
 
-    ``platform="tpu"`` lowers for TPU from this machine (with an
-    ``AbstractMesh`` of any size).
+    The program lowered is the one steady-state calls run: every input laid
+    out as the program takes it (uneven state padded), so its HLO has no
+    resharding at the boundary. ``platform="tpu"`` lowers for TPU from this
+    machine (with an ``AbstractMesh`` of any size).
     """
-    prog = self.program(*args)
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                    sharding=NamedSharding(self.mesh, s.to_spec()))
-               for a, s in zip(prog.flat_avals, prog.in_place)]
+    if self._abstract and platform is None:
+      raise ValueError(
+          f"{self.__name__}.lower(): the mesh is an AbstractMesh "
+          f"{mesh_str(self.mesh_sizes)}, which names no platform. Pass the platform to "
+          f"lower for, e.g. {self.__name__}.lower(*args, platform='tpu').")
+    self._check_arity(len(args))
+    leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
+    prog = self._program(leaves, treedef)
+    structs = []
+    for i, x in enumerate(leaves):
+      a = prog.flat_avals[i]
+      if prog.padded_in(i) and (is_padded(x) or i in prog.state_inputs):
+        sharding = NamedSharding(self.mesh, prog.in_shardings[i].to_spec())
+        structs.append(PaddedArray(jax.ShapeDtypeStruct(prog.padded_shape(i), a.dtype,
+                                                        sharding=sharding), a.shape))
+      else:
+        sharding = NamedSharding(self.mesh, prog.in_place[i].to_spec())
+        structs.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding,
+                                            weak_type=a.weak_type))
+    placed = jax.tree_util.tree_unflatten(treedef, structs)
+    prog.per_device()            # the partition rules run (timed as partition_setup)
     t0 = time.perf_counter()
-    traced = prog.jitted.trace(*structs)
+    traced = self._jit.trace(*placed)
     lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
     prog.timings["lower"] = time.perf_counter() - t0
-    return Lowered(self, prog, lowered, structs)
+    return Lowered(self, prog, lowered, placed)
 
 
 def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = False,
@@ -229,10 +451,13 @@ def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = 
     mesh: a jax ``Mesh`` (``gshard.make_mesh``) or ``AbstractMesh`` (lowering only).
     in_specs: a pytree prefix of the positional arguments with PartitionSpecs at
       the leaves; ``None`` (whole or per leaf) lets propagation decide.
-    out_specs: the same for the outputs; ``None`` takes the inferred shardings.
-    strict: raise instead of taking the safe path for a primitive without a
-      partition rule.
-    donate_argnums: positional arguments whose buffers may be reused.
+    out_specs: the same for the outputs; ``None`` takes the inferred shardings,
+      except that an output which is the next value of an input (same tree
+      position of a returned state: same tree structure, shapes and dtypes)
+      keeps that input's layout.
+    strict: ``True`` raises where a primitive without a partition rule would
+      gather its operands (the safe path), instead of warning.
+    donate_argnums: positions of the arguments whose buffers may be reused.
 
   Returns:
     A :class:`Partitioned` callable; ``.lower(*args)`` inspects it.

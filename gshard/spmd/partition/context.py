@@ -12,10 +12,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from jax.extend.core import get_opaque_trace_state
 
 from gshard.spmd import collectives, reshard
-from gshard.spmd.graph import Graph, source_of
+from gshard.spmd.graph import Graph
 from gshard.spmd.sharding import TensorSharding, fit_axes
+from gshard.spmd.source import source_of
 
 
 class PartitionWarning(UserWarning):
@@ -109,6 +111,12 @@ class Context:
     self.strict = strict
     self.repeat = 1          # trip count of the loops being traced (bytes scale)
     self.enclosing: list = []   # call equations whose inner jaxpr is running
+    # (id of a local array, src, dst) -> [(trace, the array, its resharded Value)]
+    self._memo: dict[tuple, list] = {}
+
+  def forget(self) -> None:
+    """Drop the reshards remembered while tracing (call before and after a trace)."""
+    self._memo.clear()
 
   def run_jaxpr(self, jaxpr, scope: tuple, consts, args: list[Value]) -> list[Value]:
     """Interpret ``jaxpr`` (in ``scope``) on per-device values; its outputs' values."""
@@ -148,6 +156,13 @@ class Context:
       dst = dst.with_partial(dst.partial & v.sharding.partial)
     if v.literal or v.sharding == dst:
       return dataclasses.replace(v, sharding=dst) if v.literal else v
+    # One reshard per (value, layout) in a trace: every later consumer of the
+    # same layout reuses it (and no collective is recorded twice). Keyed by the
+    # trace too: a scan / cond body must not reuse (or leak) another trace's value.
+    key, trace = (id(v.x), v.sharding, dst), get_opaque_trace_state()
+    for seen_trace, seen_x, out in self._memo.get(key, ()):
+      if seen_x is v.x and seen_trace == trace:
+        return out
     plan = reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
     src_name = self.source(eqn)
     prim = eqn.primitive.name if eqn is not None else "output"
@@ -160,7 +175,9 @@ class Context:
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
           else str(v.dtype), src_name, bool(plan.fallback)))
     x = collectives.apply_plan(v.x, plan, v.shape, self.mesh_sizes)
-    return Value(x, dst, v.shape, v.dtype)
+    out = Value(x, dst, v.shape, v.dtype)
+    self._memo.setdefault(key, []).append((trace, v.x, out))   # keeps v.x alive: ids stay unique
+    return out
 
   def record(self, kind: str, axes, nbytes: int, eqn, role: str, src: TensorSharding,
              dst: TensorSharding, shape, dtype) -> None:
@@ -171,16 +188,26 @@ class Context:
         tuple(shape),
         str(dtype), self.source(eqn)))
 
-  def fallback(self, eqn, why: str) -> None:
-    """Report the safe path; under ``strict=True`` it is an error."""
+  def fallback(self, eqn, why: str, gathered: bool = True) -> None:
+    """Report the safe path. ``gathered``: some operand is not replicated, so the
+    safe path moves data; under ``strict=True`` that is an error. An equation
+    whose operands are all replicated already loses nothing: it only warns."""
     where = self.source(eqn)
-    msg = (f"gshard: no partition rule for {eqn.primitive.name} ({why}) at {where}: "
-           "its operands are gathered and it is computed replicated. Pass "
-           "strict=True to make this an error.")
-    if self.strict:
-      raise NotImplementedError(msg.replace("Pass strict=True to make this an error.",
-                                            "strict=True forbids the safe path."))
-    self.recorder.fallbacks.append((eqn.primitive.name, where))
+    name = eqn.primitive.name
+    if not gathered:
+      msg = (f"gshard: no partition rule for {name} ({why}) at {where}: it is computed "
+             "replicated; its operands are already replicated, so nothing is gathered.")
+    elif self.strict:
+      raise NotImplementedError(
+          f"gshard: no partition rule for {name} ({why}) at {where}: the safe path would "
+          "gather its operands and compute it replicated, and strict=True forbids that. "
+          f"Replicate {name}'s operands yourself (gshard.replicate) to accept the "
+          "gather, or pass strict=False to let gshard take the safe path with a warning.")
+    else:
+      msg = (f"gshard: no partition rule for {name} ({why}) at {where}: its operands are "
+             "gathered and it is computed replicated. Pass strict=True to make this an "
+             "error.")
+    self.recorder.fallbacks.append((name, where))
     warnings.warn(msg, PartitionWarning, stacklevel=2)
 
   # -- device coordinates ---------------------------------------------------

@@ -313,7 +313,9 @@ def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """The safe path: gather every operand, compute replicated, results replicated."""
   del scope, idx
   ctx.fallback(eqn, "no rule" if registry.sharding_rule(eqn.primitive.name) is None
-               else "no local form")
+               else "no local form",
+               gathered=any(not v.literal and v.sharding != TensorSharding.replicated(
+                   len(v.shape)) for v in ins))
   first = len(ctx.recorder.collectives)
   xs = [v.x if v.literal else
         ctx.reshard(v, TensorSharding.replicated(len(v.shape)), eqn, f"operand {j}").x

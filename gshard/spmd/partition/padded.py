@@ -1,0 +1,138 @@
+"""``gshard.PaddedArray``: an unevenly split value kept split between calls.
+
+jax places arrays only with even shardings: a table of 1003 rows cannot be a
+``jax.Array`` split four ways. Inside the per-device program gshard pads it to
+1004 rows (251 per device); a :class:`PaddedArray` is that padded global array
+(an even ``NamedSharding``, so each device keeps its 251 rows) together with
+the logical shape. ``gshard.partition`` returns the state it keeps split this
+way and takes it back without moving it.
+
+It is a pytree node with one child, the padded ``jax.Array`` (``.data``), and
+the logical shape as its static part, so ``jax.tree`` functions, ``jax.jit``
+and checkpointing libraries see the padded array. The padding holds zeros as
+created, and whatever the program left there after a step: read values
+through :meth:`PaddedArray.logical` / :func:`unpad`, never ``.data`` directly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+@jax.tree_util.register_pytree_node_class
+class PaddedArray:
+  """A global array of logical ``shape``, held padded up to an even layout.
+
+  Attributes:
+    data: the padded global array (``jax.Array`` with a ``NamedSharding``
+      whose split dims divide its shape).
+    shape: the logical shape; ``data.shape`` is at least as large in every dim.
+
+  Example::
+
+    table, loss = step(table, batch)     # table: PaddedArray f32[1003,64] in f32[1004,64]
+    table.shape                          # (1003, 64)
+    np.asarray(table)                    # the logical 1003 rows, on the host
+    table.logical()                      # the logical jax.Array (gathers the split dim)
+  """
+
+  __slots__ = ("data", "shape")
+
+  def __init__(self, data, shape):
+    self.data = data
+    self.shape = tuple(int(n) for n in shape)
+
+  # -- the array protocol ------------------------------------------------------
+  @property
+  def dtype(self):
+    """The element type (the padded array's)."""
+    return self.data.dtype
+
+  @property
+  def ndim(self) -> int:
+    """Rank of the logical value."""
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    """Elements of the logical value."""
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def sharding(self):
+    """The layout of the padded data."""
+    return self.data.sharding
+
+  def _index(self) -> tuple:
+    return tuple(slice(0, n) for n in self.shape)
+
+  def logical(self):
+    """The logical value as a ``jax.Array`` (the padding sliced off; jax lays
+    out the result evenly, so an uneven split dim comes back gathered)."""
+    return self.data[self._index()]
+
+  def __array__(self, dtype=None, copy=None):
+    out = np.asarray(self.data)[self._index()]
+    return out.astype(dtype) if dtype is not None else out
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def __repr__(self) -> str:
+    dtype = getattr(self.dtype, "name", self.dtype)
+    spec = getattr(getattr(self.data, "sharding", None), "spec", None)
+    return (f"PaddedArray({dtype}{list(self.shape)} held as {dtype}"
+            f"{list(self.data.shape)}" + (f", {spec}" if spec is not None else "") + ")")
+
+  # -- the pytree --------------------------------------------------------------
+  def tree_flatten(self):
+    return (self.data,), self.shape
+
+  @classmethod
+  def tree_unflatten(cls, shape, children):
+    return cls(children[0], shape)
+
+
+def is_padded(x) -> bool:
+  """Whether ``x`` is a :class:`PaddedArray` (an ``is_leaf`` for ``jax.tree``)."""
+  return isinstance(x, PaddedArray)
+
+
+def unpad(tree):
+  """``tree`` with every :class:`PaddedArray` replaced by its logical ``jax.Array``.
+
+  Example: ``params = gshard.unpad(state.params)`` before evaluating the model
+  outside gshard, or before saving a checkpoint of logical shapes.
+  """
+  return jax.tree_util.tree_map(lambda x: x.logical() if is_padded(x) else x, tree,
+                                is_leaf=is_padded)
+
+
+def logical_struct(x) -> jax.ShapeDtypeStruct:
+  """The logical shape and dtype of an argument (weak types kept, as jax keys
+  its caches): a ``PaddedArray``, array, ``ShapeDtypeStruct``, tracer or scalar."""
+  if is_padded(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
+  """``x`` (an array of its logical shape) as a :class:`PaddedArray` of
+  ``full_shape`` laid out as ``sharding``; the padding is zeros."""
+  shape = tuple(np.shape(x))
+  data = _pad_fn(shape, tuple(full_shape), sharding)(x)
+  return PaddedArray(data, shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _pad_fn(shape, full_shape, sharding):
+  widths = [(0, f - n) for n, f in zip(shape, full_shape)]
+  return jax.jit(lambda x: jnp.pad(x, widths), out_shardings=sharding)

@@ -1,0 +1,137 @@
+"""Mistakes in calling ``gshard.partition`` are errors that name the argument,
+what it was given, the mesh and a fix (or, where nothing is lost, it works).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from helpers_partition import mesh
+
+M24 = ((2, 4), ("data", "model"))
+X = np.arange(32, dtype=np.float32).reshape(8, 4)
+
+
+def _pair(a):
+  return a * 2, a + 1
+
+
+def _abstract():
+  return AbstractMesh((64, 32), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+# -- AbstractMesh ---------------------------------------------------------------------
+
+def test_calling_over_an_abstract_mesh_points_to_lower_with_a_platform():
+  step = gshard.partition(_pair, _abstract(), in_specs=(P("data"),))
+  with pytest.raises(RuntimeError, match=r"_pair is partitioned over an AbstractMesh "
+                     r"\(data=64, model=32\), which has no devices.*"
+                     r"_pair\.lower\(\*args, platform='tpu'\)"):
+    step(X)
+
+
+def test_lower_over_an_abstract_mesh_needs_a_platform():
+  step = gshard.partition(_pair, _abstract(), in_specs=(P("data"),))
+  x = jax.ShapeDtypeStruct((128, 4), jnp.float32)
+  with pytest.raises(ValueError, match=r"_pair\.lower\(\): the mesh is an AbstractMesh "
+                     r"\(data=64, model=32\).*platform='tpu'"):
+    step.lower(x)
+  text = step.lower(x, platform="tpu").as_text()      # the fix works
+  assert "mhlo.num_partitions = 2048" in text
+
+
+# -- out_specs -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("out_specs", [(P(), P(), P()), (P(),), {"a": P()}],
+                         ids=["too many", "too few", "another structure"])
+def test_out_specs_that_do_not_fit_the_outputs(out_specs):
+  step = gshard.partition(_pair, mesh(*M24), out_specs=out_specs)
+  with pytest.raises(ValueError, match=r"out_specs=.* does not fit what _pair returns: "
+                     r"\(f32\[8,4\], f32\[8,4\]\)\. Give one entry per output.*"
+                     r"on mesh \(data=2, model=4\)"):
+    step(X)
+
+
+def test_out_specs_that_fit_work():
+  step = gshard.partition(_pair, mesh(*M24), out_specs=(P("data"), P(None, "model")))
+  a, b = step(X)
+  assert a.sharding.spec == P("data") and b.sharding.spec == P(None, "model")
+  np.testing.assert_array_equal(np.asarray(a), X * 2)
+
+
+# -- donate_argnums ----------------------------------------------------------------------
+
+def test_donate_argnums_out_of_range_names_the_call():
+  step = gshard.partition(_pair, mesh(*M24), donate_argnums=(0, 2))
+  with pytest.raises(ValueError, match=r"donate_argnums=\(0, 2\) names argument 2, but "
+                     r"_pair was called with 1 positional argument\(s\)"):
+    step(X)
+  with pytest.raises(ValueError, match=r"names argument 2"):
+    step.lower(X)
+
+
+def test_donate_argnums_negative():
+  with pytest.raises(ValueError, match=r"donate_argnums=-1: -1 is negative\. Count "
+                     r"positions from 0"):
+    gshard.partition(_pair, mesh(*M24), donate_argnums=-1)
+
+
+@pytest.mark.parametrize("bad", ["0", 1.0, True, (0, "x")])
+def test_donate_argnums_not_ints(bad):
+  with pytest.raises(TypeError, match=r"donate_argnums=.*is not an int"):
+    gshard.partition(_pair, mesh(*M24), donate_argnums=bad)
+
+
+def test_donate_argnums_in_range_donate():
+  step = gshard.partition(lambda a, b: (a * 2, b), mesh(*M24), donate_argnums=0)
+  a, _ = step(X, X)
+  b, _ = step(a, X)
+  assert a.is_deleted() and not b.is_deleted()
+
+
+# -- strict ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_strict_must_be_a_bool(bad):
+  with pytest.raises(TypeError, match=rf"strict must be True or False, got {bad!r}"):
+    gshard.partition(_pair, mesh(*M24), strict=bad)
+
+
+def _fft_of(x):
+  return jnp.abs(lax.fft(x.astype(jnp.complex64), lax.FftType.FFT, (4,)))   # no rule
+
+
+def test_strict_safe_path_on_replicated_operands_works_and_gathers_nothing():
+  """fft has no rule. Its operand is replicated already: the safe path moves
+  nothing, so strict=True lets it run; the warning does not claim a gather."""
+  step = gshard.partition(_fft_of, mesh(*M24), in_specs=(P(),), strict=True)
+  with pytest.warns(gshard.PartitionWarning) as record:
+    out = step(X)
+  np.testing.assert_allclose(np.asarray(out), np.abs(np.fft.fft(X, axis=-1)), rtol=1e-5,
+                             atol=1e-4)
+  (msg,) = [str(w.message) for w in record]
+  assert "no partition rule for fft" in msg
+  assert "its operands are already replicated, so nothing is gathered" in msg
+  assert "operands are gathered" not in msg
+  low = step.lower(X)
+  assert [p for p, _ in low.fallbacks] == ["fft"]
+  assert low.collectives() == []
+
+
+def test_strict_safe_path_that_would_gather_raises_with_a_fix():
+  step = gshard.partition(_fft_of, mesh(*M24), in_specs=(P("data"),), strict=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gshard.PartitionWarning)
+    with pytest.raises(NotImplementedError, match=r"no partition rule for fft \(no rule\) "
+                       r"at .*test_api_errors\.py:\d+:\d+ \(_fft_of\): the safe path would "
+                       r"gather its operands.*strict=True forbids that\. Replicate"):
+      step(X)
