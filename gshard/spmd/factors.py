@@ -180,7 +180,8 @@ class _View:
   dtype: Any
 
 
-def _view(t: Held | None):
+def view(t: Held | None):
+  """A tensor's hashable view (None stays None): what :func:`solve` reads of it."""
   return None if t is None else _View(t.sharding, t.fixed, tuple(t.shape), t.dtype)
 
 
@@ -194,7 +195,7 @@ def solve(rule: FactorRule, operands: Sequence[Held | None],
   so the repeated layers of a model are solved once.
   """
   try:
-    key = (rule, tuple(map(_view, operands)), tuple(map(_view, results)),
+    key = (rule, tuple(map(view, operands)), tuple(map(view, results)),
            tuple(mesh.items()))
     hash(key)
   except TypeError:        # a dtype jax cannot hash: solve it anew

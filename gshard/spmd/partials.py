@@ -31,12 +31,15 @@ MAX_TRIALS = 48
 @dataclasses.dataclass
 class _Round:
   """One forward marking: pending axes per value, the bytes of the psums it
-  implies, and for each pending value the psums it feeds and its ancestors."""
+  implies, and for each pending value the psums it feeds and its ancestors.
+  ``contrib[k]`` is what bound ``k`` did: per result, (tensor, pending, its
+  psum's bytes, the pending ancestors it fed), so a later round can replay it."""
 
   pending: dict[Tensor, frozenset[str]]
   total: float
   downstream: dict[Tensor, float]
   feeds: dict[Tensor, frozenset[Tensor]]
+  contrib: list
 
 
 def _psum_cost(t: Tensor, axes, mesh) -> float:
@@ -78,16 +81,65 @@ def accepts(b: Bound, t: Tensor, pending=None) -> bool:
              for i, o in enumerate(b.operands) if o is t)
 
 
-def _forward(graph: Graph, resolved: set[Tensor], reduced: list) -> _Round:
+class _Index:
+  """Where each tensor is produced and read: lets a round recompute a suffix."""
+
+  def __init__(self, graph: Graph):
+    self.producers: dict[Tensor, list[int]] = {}
+    self.last_read: dict[Tensor, int] = {}
+    self.consumers: dict[Tensor, list[Bound]] = {}
+    for k, b in enumerate(graph.bounds):
+      for t in b.results:
+        if t is not None:
+          self.producers.setdefault(t, []).append(k)
+      for t in b.operands:
+        if t is not None:
+          self.last_read[t] = k
+          self.consumers.setdefault(t, []).append(b)
+
+
+def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
+             base: _Round | None = None, start: int = 0) -> _Round:
+  """Mark pending sums in program order, from bound ``start`` on.
+
+  Bounds before ``start`` see exactly the inputs they saw in ``base`` (they
+  read only earlier results, and no tensor they produce changed ``resolved``
+  status), so their recorded results (``base.contrib``) stand; the round
+  starts from ``base`` with the contributions of the later bounds taken out.
+  """
   mesh = graph.mesh_sizes
-  pending: dict[Tensor, frozenset[str]] = {}
-  feeds: dict[Tensor, frozenset[Tensor]] = {}
-  downstream: dict[Tensor, float] = {}
-  total = 0.0
-  for b, r in zip(graph.bounds, reduced):
+  if base is None or start == 0:
+    pending, feeds, downstream, total = {}, {}, {}, 0.0
+    contrib: list = []
+  else:
+    pending, feeds = dict(base.pending), dict(base.feeds)
+    downstream, total = dict(base.downstream), base.total
+    contrib = base.contrib[:start]
+    redo: set[Tensor] = set()
+    for recs in base.contrib[start:]:
+      for t, q, cost, anc in recs:
+        redo.add(t)
+        if cost:
+          total -= cost
+          for a in anc:
+            downstream[a] -= cost
+    for t in redo:           # back to what the bounds before ``start`` left
+      pending.pop(t, None)
+      feeds.pop(t, None)
+      for k in index.producers[t]:
+        if k >= start:
+          break
+        for u, q, cost, anc in base.contrib[k]:
+          if u is t:
+            pending[t] = q if t not in pending else (pending[t] & q)
+            if pending[t]:
+              feeds[t] = anc
+  for k in range(start, len(graph.bounds)):
+    b, r = graph.bounds[k], reduced[k]
     p = produced(b, mesh, pending, r)
     anc = frozenset().union(*[feeds.get(o, frozenset()) | {o}
                               for o in b.operands if o is not None and pending.get(o)])
+    recs = []
     for t in b.results:
       if t is None or t.fixed:
         continue
@@ -96,39 +148,55 @@ def _forward(graph: Graph, resolved: set[Tensor], reduced: list) -> _Round:
       if t in pending:
         q &= pending[t]
       pending[t] = q
+      cost = 0.0
       if q:
         feeds[t] = anc
-      elif raw:
-        cost = _psum_cost(t, raw, mesh)
-        total += cost
-        for a in anc:
-          downstream[a] = downstream.get(a, 0.0) + cost
-  return _Round(pending, total, downstream, feeds)
+      else:
+        feeds.pop(t, None)
+        if raw:
+          cost = _psum_cost(t, raw, mesh)
+          total += cost
+          for a in anc:
+            downstream[a] = downstream.get(a, 0.0) + cost
+      recs.append((t, q, cost, anc if (q or raw) else frozenset()))
+    contrib.append(tuple(recs))
+  return _Round(pending, total, downstream, feeds, contrib)
 
 
-def _settle(graph: Graph, resolved: set[Tensor], reduced: list, consumers) -> _Round:
-  """Resolve every value some consumer cannot take pending (``resolved`` grows)."""
+def _settle(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
+            base: _Round | None = None, fresh: set[Tensor] = frozenset()) -> _Round:
+  """Resolve every value some consumer cannot take pending (``resolved`` grows).
+
+  With ``base`` (a round of the same graph) and ``fresh`` (what ``resolved``
+  gained since it), each round recomputes only from the first bound that
+  produces a newly resolved value, and only values produced or read from
+  there on are checked.
+  """
   for _ in range(len(graph.tensors) + 1):
-    rnd = _forward(graph, resolved, reduced)
+    if base is None:
+      start = 0
+    else:
+      start = min((index.producers[t][0] for t in fresh if t in index.producers),
+                  default=len(graph.bounds))
+    rnd = _forward(graph, resolved, reduced, index, base, start)
     bad = {t for t, p in rnd.pending.items() if p and t not in resolved
-           and not all(accepts(b, t, rnd.pending) for b in consumers.get(t, ()))}
+           and (start == 0 or index.producers[t][-1] >= start
+                or index.last_read.get(t, -1) >= start)
+           and not all(accepts(b, t, rnd.pending) for b in index.consumers.get(t, ()))}
     if not bad:
       return rnd
     resolved |= bad
+    base, fresh = rnd, bad
   raise RuntimeError("partial-sum marking did not converge")
 
 
 def mark_partials(graph: Graph, max_trials: int = MAX_TRIALS) -> dict[Tensor, frozenset[str]]:
   """The pending partial-sum axes of every value an equation produces."""
   mesh = graph.mesh_sizes
-  consumers: dict[Tensor, list[Bound]] = {}
-  for b in graph.bounds:
-    for t in b.operands:
-      if t is not None:
-        consumers.setdefault(t, []).append(b)
+  index = _Index(graph)
   resolved = {graph.tensor((), v) for v in graph.top.outvars} - {None}
   reduced = [factors.reduced_axes(b.rule, b.operands, mesh) for b in graph.bounds]
-  best = _settle(graph, resolved, reduced, consumers)
+  best = _settle(graph, resolved, reduced, index)
   last = best.pending      # the values pending after the latest trial, kept or not
   order = {t: k for k, t in enumerate(graph.tensors.values())}   # deterministic
   tried: set[Tensor] = set()
@@ -144,8 +212,8 @@ def mark_partials(graph: Graph, max_trials: int = MAX_TRIALS) -> dict[Tensor, fr
     t = roots[0]
     tried.add(t)
     trial = set(resolved) | {t}
-    rnd = _settle(graph, trial, reduced, consumers)
+    rnd = _settle(graph, trial, reduced, index, best, {t})
     last = rnd.pending
     if rnd.total < best.total:
       resolved, best = trial, rnd
-  return _settle(graph, resolved, reduced, consumers).pending
+  return best.pending

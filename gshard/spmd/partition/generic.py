@@ -15,6 +15,7 @@ same two functions. :func:`safe_rule` is the safe path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
 from gshard.spmd.sharding import TensorSharding, fit_axes
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LocalPlan:
   """How one equation runs per device."""
 
@@ -51,6 +52,24 @@ def factor_rule_of(eqn) -> FactorRule:
   return r
 
 
+@dataclasses.dataclass(frozen=True)
+class _In:
+  """An operand as the local plan reads it (hashable: the memo's key)."""
+
+  sharding: TensorSharding | None     # None for a literal
+  shape: tuple[int, ...]
+  dtype: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _Out:
+  """A result as the local plan reads it: its propagated target (None if dropped)."""
+
+  target: TensorSharding | None
+  shape: tuple[int, ...]
+  dtype: object
+
+
 def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(),
                allow_other_reduction=False) -> LocalPlan:
   """Per-factor axes for the local op, and the operand/result shardings they imply.
@@ -60,44 +79,59 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   reshard the result: GShard's einsum option (a), which turns a split moving
   from G to E in MoE dispatch into one all-to-all instead of gathering the
   operands). The one that sends fewer bytes wins; ties go to the first.
+  Pure in what it reads, so it is memoised (a model's repeated layers are
+  planned once).
   """
   rule = factor_rule_of(eqn)
   g = ctx.graph
-  operands = [g.tensor(scope, v) for v in eqn.invars]
-  results = [g.tensor(scope, v) for v in eqn.outvars]
-  candidates = [factors.solve(rule, operands, results, ctx.mesh_sizes)]
+  operands = tuple(factors.view(g.tensor(scope, v)) for v in eqn.invars)
+  results = tuple(factors.view(g.tensor(scope, v)) for v in eqn.outvars)
+  in_ = tuple(_In(None if v.literal else v.sharding, tuple(v.shape), v.dtype) for v in ins)
+  out = tuple(_Out(None if type(var).__name__ == "DropVar" else ctx.target(scope, var),
+                   tuple(var.aval.shape), var.aval.dtype) for var in eqn.outvars)
+  key = (rule, in_, operands, results, out, frozenset(blocked), bool(allow_other_reduction),
+         tuple(ctx.mesh_sizes.items()))
+  try:
+    hash(key)
+  except TypeError:          # a dtype jax cannot hash: plan it anew
+    return _plan(*key)
+  return _plan_memo(*key)
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _plan_memo(*key) -> LocalPlan:
+  return _plan(*key)
+
+
+def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_reduction,
+          mesh_items) -> LocalPlan:
+  mesh = dict(mesh_items)
+  candidates = [factors.solve(rule, operands, results, mesh)]
   if any(r is not None for r in results):
-    candidates.append(factors.solve(rule, operands, [None] * len(results), ctx.mesh_sizes))
-  plans = [_plan_for(ctx, eqn, ins, scope, rule, c, blocked, allow_other_reduction)
-           for c in candidates]
+    candidates.append(factors.solve(rule, operands, [None] * len(results), mesh))
+  plans = [_plan_for(mesh, ins, rule, c, blocked, allow_other_reduction) for c in candidates]
   if len(plans) == 1:
     return plans[0]
-  costs = [_plan_cost(ctx, eqn, ins, scope, p) for p in plans]
+  costs = [_plan_cost(mesh, ins, outs, p) for p in plans]
   return plans[costs.index(min(costs))]
 
 
-def _plan_cost(ctx: Context, eqn, ins, scope, plan: LocalPlan) -> int:
+def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
   """Bytes per device to reshard operands into ``plan`` and results out of it."""
   total = 0
   for v, s in zip(ins, plan.operands):
     if s is not None and v.sharding != s:
-      total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype,
-                                         ctx.mesh_sizes).bytes_per_device
-  for var, s in zip(eqn.outvars, plan.results):
-    if type(var).__name__ == "DropVar":
-      continue
-    t = ctx.target(scope, var)
-    if t != s:
+      total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype, mesh).bytes_per_device
+  for o, s in zip(outs, plan.results):
+    if o.target is not None and o.target != s:
       try:
-        total += reshard.plan_reshard(s, t, tuple(var.aval.shape), var.aval.dtype,
-                                           ctx.mesh_sizes).bytes_per_device
+        total += reshard.plan_reshard(s, o.target, o.shape, o.dtype, mesh).bytes_per_device
       except ValueError:   # would need to create a partial sum: not a candidate
         return 1 << 62
   return total
 
 
-def _plan_for(ctx: Context, eqn, ins, scope, rule: FactorRule, choice, blocked,
-              allow_other_reduction) -> LocalPlan:
+def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reduction) -> LocalPlan:
   choice = dict(choice)
   sizes = rule.size_of
   compound = {f for dims in rule.operands + rule.results for d in dims if len(d) > 1
@@ -109,19 +143,17 @@ def _plan_for(ctx: Context, eqn, ins, scope, rule: FactorRule, choice, blocked,
       axes = []
     # An uneven split is padded; a factor inside a compound dim must be even.
     if f in compound:
-      axes = fit_axes(axes, sizes[f], ctx.mesh_sizes)
+      axes = fit_axes(axes, sizes[f], mesh)
     choice[f] = tuple(axes)
-  _drop_inexpressible(choice, [d for v, d in zip(ins, rule.operands) if not v.literal]
-                      + list(rule.results), sizes, ctx.mesh_sizes)
+  _drop_inexpressible(choice, [d for v, d in zip(ins, rule.operands) if v.sharding is not None]
+                      + list(rule.results), sizes, mesh)
   # A pending partial sum passes through a linear op; otherwise it is resolved.
-  partials = [None if v.literal else v.sharding.partial for v in ins]
+  partials = [None if v.sharding is None else v.sharding.partial for v in ins]
   passes = any(partials) and all(factors.lets_through(rule.linear, partials, i)
                                  for i, p in enumerate(partials) if p)
-  op_dims = [None if v.literal else tuple(factors.unproject(dims, choice, sizes,
-                                                            ctx.mesh_sizes))
+  op_dims = [None if v.sharding is None else tuple(factors.unproject(dims, choice, sizes, mesh))
              for v, dims in zip(ins, rule.operands)]
-  res_dims = [tuple(factors.unproject(dims, choice, sizes, ctx.mesh_sizes))
-              for dims in rule.results]
+  res_dims = [tuple(factors.unproject(dims, choice, sizes, mesh)) for dims in rule.results]
   split_axes = {a for d in op_dims + res_dims if d is not None for x in d for a in x}
   if passes:
     # A pending sum passes only where no operand or result is split over its
