@@ -376,9 +376,8 @@ def write_doc(path: str, rows, runs: int, load: tuple[float, float]) -> None:
          "- Memory: per device, temp + argument + output bytes of "
          "`compiled.memory_analysis()`.",
          "- Overhead: gshard's own time for one new input signature: trace + "
-         "propagate + partition set-up + lower (`Lowered.timings`; the per-device "
-         "program is emitted by the interpreter while jax lowers the shard_map, so "
-         "`lower` includes partitioning and jax's StableHLO lowering). For GSPMD the "
+         "propagate + partition (the interpreter emitting the per-device program) + "
+         "lower (jax's StableHLO lowering), from `Lowered.timings`. For GSPMD the "
          "corresponding jax trace + lower is shown. XLA compile: `lowered.compile()`.",
          "", "## Results", "", table(rows), "",
          "Correctness check (max |gshard - GSPMD| over all outputs of one step): " +
