@@ -14,8 +14,9 @@ each stage runs at most one action; a result produced at tick ``t`` is usable
 by the neighbouring virtual stage from tick ``t + 1``.
 """
 
+from gshard.pipeline.balance import balance
 from gshard.pipeline.schedule import (Action, Costs, Event, Schedule, Timeline, placement,
                                       schedule, virtual_stage)
 
-__all__ = ["Action", "Costs", "Event", "Schedule", "Timeline", "placement", "schedule",
-           "virtual_stage"]
+__all__ = ["Action", "Costs", "Event", "Schedule", "Timeline", "balance",
+           "placement", "schedule", "virtual_stage"]
