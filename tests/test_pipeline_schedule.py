@@ -403,3 +403,8 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     s.plot(tmp_path / "x.png")
   assert not (tmp_path / "x.png").exists()
 
+
+def test_public_names():
+  for name in ("schedule", "Schedule", "Action", "balance", "layer_costs"):
+    assert name in pipeline.__all__ and hasattr(pipeline, name)
+  assert pipeline.schedule is schedule

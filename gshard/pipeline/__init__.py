@@ -1,4 +1,4 @@
-"""Pipeline parallelism: schedules (GPipe, 1F1B, interleaved, zero bubble), stage balancing, layer costs.
+"""Pipeline parallelism: schedules (GPipe, 1F1B, interleaved, zero bubble), balancing, costs.
 
 Public API::
 
@@ -15,8 +15,9 @@ by the neighbouring virtual stage from tick ``t + 1``.
 """
 
 from gshard.pipeline.balance import balance
+from gshard.pipeline.costs import LayerCosts, layer_costs
 from gshard.pipeline.schedule import (Action, Costs, Event, Schedule, Timeline, placement,
                                       schedule, virtual_stage)
 
-__all__ = ["Action", "Costs", "Event", "Schedule", "Timeline", "balance",
-           "placement", "schedule", "virtual_stage"]
+__all__ = ["Action", "Costs", "Event", "LayerCosts", "Schedule", "Timeline", "balance",
+           "layer_costs", "placement", "schedule", "virtual_stage"]
