@@ -12,6 +12,10 @@ Conventions (the executor's contract; details in ``gshard.pipeline.schedule``):
 chunk ``c`` of device stage ``s`` is virtual stage ``c * K + s``; in one tick
 each stage runs at most one action; a result produced at tick ``t`` is usable
 by the neighbouring virtual stage from tick ``t + 1``.
+
+The attribute ``gshard.pipeline.schedule`` is the function; reach the module's
+other names with ``from gshard.pipeline.schedule import Costs`` (an ``import
+gshard.pipeline.schedule as m`` would also bind the function).
 """
 
 from gshard.pipeline.balance import balance
