@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from gshard import pipeline
 from gshard.pipeline import Action, Schedule, placement, schedule, virtual_stage
-from gshard.pipeline.schedule import SCHEDULES, Costs
+from gshard.pipeline import Costs
+from gshard.pipeline.tables import SCHEDULES
 
 
 def _requirement(name, k, m, v):
