@@ -278,6 +278,13 @@ def jaxpr_costs(fn: Callable, *args) -> tuple[float, float]:
   return count.flops, count.bytes
 
 
+def jaxpr_counts(jaxpr) -> tuple[float, float]:
+  """``(flops, bytes)`` of a (closed) jaxpr as it is, e.g. the per-device program of
+  ``gshard.partition(...).lower(...).per_device_jaxpr()`` (collectives count 0)."""
+  count = _count(getattr(jaxpr, "jaxpr", jaxpr))
+  return count.flops, count.bytes
+
+
 def _abstract(tree):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype(a)), tree)
 
