@@ -81,10 +81,17 @@ def shift_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     return out(x)
   q, r = divmod(k, local)
   role = f"rows shifted by {offset} along dim {axis}"
+
+  def hop(blocks: int) -> str:
+    return f"{abs(blocks)} device{'s' if abs(blocks) != 1 else ''} " + \
+        ("on" if blocks > 0 else "back")
+
+  body_role = (f"{role} (whole blocks, {hop(q)})" if r == 0 else
+               f"{role} ({local - r} of {local} rows, {hop(q)})")
   body = _moved(ctx, eqn, v, lax.slice_in_dim(x, 0, local - r, axis=axis), axes, q,
-                circular, f"{role} ({local - r} of {local} rows per device)")
+                circular, body_role)
   if r == 0:
     return out(body)
   edge = _moved(ctx, eqn, v, lax.slice_in_dim(x, local - r, local, axis=axis), axes, q + 1,
-                circular, f"{role} ({r} boundary rows per device)")
+                circular, f"{role} ({r} boundary rows, {hop(q + 1)})")
   return out(lax.concatenate([edge, body], axis))
