@@ -141,7 +141,7 @@ def main():
   print(f"  first loss {losses[0]:.6f} pipelined, {plain:.6f} as the plain loop on one "
         f"device; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
   print()
-  print(lowered.explain(top=8))
+  print(lowered.explain(top=10))
 
 
 if __name__ == "__main__":

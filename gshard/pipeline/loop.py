@@ -372,8 +372,9 @@ def _pipelined(layer_fn, stacked, x, layout: Layout, k: int, m: int, axis: str, 
   micro = jax.tree.map(lambda a: _microbatches(a, m), x)                 # [M, B/M, ...]
 
   def per_tick_input(a):   # [T, K, B/M, ...]: the micro-batch stage 0 starts, every stage
-    rows = jnp.take(a, ticks.m_in, axis=0)
-    return jnp.broadcast_to(rows[:, None], (num_ticks, k) + a.shape[1:])
+    # broadcast before the gather: its gradient is summed over the stages once, [M, ...]
+    every = _on_stages(jnp.broadcast_to(a[None], (k,) + a.shape), axis)   # [K, M, ...]
+    return jnp.swapaxes(jnp.take(every, ticks.m_in, axis=1), 0, 1)
   inputs = _on_stages(jax.tree.map(per_tick_input, micro), axis, dim=1)
   stage = _stage_fn(layer_fn, layout, k, axis, remat)
 
