@@ -37,6 +37,12 @@ def _bind(x, annotation: Annotation, spec: P):
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def current_mesh_sizes() -> dict[str, int] | None:
+  """The mesh gshard is tracing for (axis name -> size), or None outside gshard."""
+  mesh = _current_mesh.get()
+  return None if mesh is None else dict(mesh)
+
+
 @contextlib.contextmanager
 def mesh_context(mesh) -> Iterator[None]:
   """While tracing under gshard, annotations check axis names against ``mesh``."""

@@ -8,4 +8,4 @@ public names are re-exported by ``gshard``.
 """
 
 from gshard.spmd.rules import (annotation, control, conv, dot, elementwise,  # noqa: F401
-                               indexing, random, reduce, shape)  # (registers them)
+                               indexing, pipeline, random, reduce, shape)  # (registers them)

@@ -1,0 +1,397 @@
+"""``pipeline.run``: GPipe as a loop inside the one partitioned program.
+
+Off gshard, or on a mesh without the stage axis, ``run`` is the plain loop
+over the L layers (a ``lax.scan``). Under ``gshard.partition`` on a mesh whose
+``stage_axis`` has K > 1 devices it is the GPipe pipeline of Huang et al.
+(2019), written as one SPMD program over that axis, as GSPMD and praxis do:
+
+- the stacked weights are reshaped stage-major (``[K, S, ...]``, or ``[v, K,
+  S, ...]`` with ``repeats=v``) and annotated split over the stage axis on the
+  K dim: each device holds only its stage's layers (other dims are left to
+  the caller's annotations and in_specs);
+- the batch is cut into M micro-batches ``[M, B/M, ...]`` (micro-batch ``m``
+  holds rows ``m, m+M, m+2M, ...``, so a batch split over a data axis stays
+  split the same way in every micro-batch);
+- a ``lax.scan`` over ``T = M*v + K - 1`` ticks carries one activation per
+  stage, ``[K, B/M, ...]`` split over the stage axis. Each tick:
+  ``pipeline.shift`` moves every stage's output to the next stage (one
+  collective permute; circular when ``v > 1``, the last stage feeding the
+  first); stage 0 takes its next micro-batch; every stage runs its layers,
+  ``jax.vmap(layer_fn, spmd_axis_name=stage_axis)`` over the stage dim, on
+  the chunk the schedule gives it (``repeats > 1``: a per-stage select of
+  the chunk's weights);
+- which stage does what at each tick comes from ``pipeline.schedule("gpipe",
+  K, M, repeats)`` (its forward half; stage s runs its j-th forward at tick
+  ``s + j``) as small constant tables;
+- a stage with nothing to do in a tick (the bubble) runs on a real
+  micro-batch instead of whatever its buffer holds, and its result is never
+  used: no garbage (NaN, inf) reaches a value or a gradient;
+- ``jax.grad`` of the loop is the transposed pipeline: the reverse shift
+  carries cotangents from stage to stage; with ``remat`` each stage keeps only
+  its boundary activations per tick (``jax.checkpoint`` around a stage's
+  layers) and recomputes the rest in the backward pass;
+- the last stage's outputs are collected per tick and reduced over the stage
+  axis once, after the loop: the result is an ordinary value for the code
+  after ``run`` (the head, the loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from gshard.annotate import current_mesh_sizes, shard
+from gshard.pipeline.layout import Layout, layer_order, layout_of
+from gshard.pipeline.shift import shift
+from gshard.pipeline.tables import schedule as make_schedule
+from gshard.spmd.sharding import mesh_str
+
+CHUNK_WEIGHTS = "gshard_pipeline_chunk_weights"   # checkpoint_name of a tick's chunk weights
+EXECUTED = ("gpipe",)
+
+
+def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: str = "stage",
+        schedule: str = "gpipe", repeats: int = 1, remat=True, balance=None):
+  """Apply L stacked layers to ``x``, pipelined over ``stage_axis`` under gshard.
+
+  Args:
+    layer_fn: ``layer_fn(one_layer_params, x) -> x`` with the same structure
+      and shapes; rows of the batch (dim 0 of every leaf of ``x``) must not
+      interact (every micro-batch is run on its own, as in GPipe).
+      Annotations inside it (data, model, expert axes) keep working.
+    stacked: the layers' parameters in the layout of
+      :func:`gshard.pipeline.stack` (``[L, ...]``; ``[repeats, L/repeats,
+      ...]``; ``[K, max(balance), ...]``).
+    x: an array or pytree of arrays, all with the batch as dim 0.
+    num_microbatches: M, must divide the batch.
+    stage_axis: the mesh axis of pipeline stages.
+    schedule: ``"gpipe"``.
+    repeats: v, chunks per device (the circular pipeline: device s runs
+      virtual stages s, s+K, ...); needs M to be a multiple of K when v > 1.
+    remat: True (recompute each stage's layers in the backward pass, keep
+      only boundary activations), False (keep everything), or a
+      ``jax.checkpoint`` policy for the stage's layers.
+    balance: layers per stage (K entries, e.g. ``pipeline.balance(costs,
+      num_stages=K)``); None splits evenly. Short stages pad their idle layer
+      slots with the zero parameters of the stack and skip them (identity).
+
+  Returns:
+    ``x`` after the L layers: on one device, or under gshard without
+    ``stage_axis``, the plain loop; on a mesh with ``stage_axis`` the pipeline,
+    equal to the plain loop (to float rounding), gradients included.
+  """
+  if schedule not in EXECUTED:
+    raise ValueError(
+        f"run(schedule={schedule!r}): run executes {', '.join(map(repr, EXECUTED))}. "
+        f"pipeline.schedule({schedule!r}, num_stages=K, num_microbatches=M) builds that "
+        "schedule's table and metrics; run it with schedule='gpipe'.")
+  _check_remat(remat)
+  layout = layout_of(stacked, repeats=repeats, balance=balance)
+  mesh = current_mesh_sizes()
+  batch = _check_batch(x, num_microbatches, mesh)
+  one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[len(layout.lead):],
+                                                          jnp.result_type(a)), stacked)
+  stages = None if mesh is None else mesh.get(stage_axis)
+  if stages is None or (stages == 1 and layout.balance is None):
+    _check_layer_fn(layer_fn, one_layer, x, batch)
+    return _plain(layer_fn, layer_order(stacked, layout), x, remat)
+  _check_stages(layout, stages, stage_axis, mesh, num_microbatches)
+  mb = batch // num_microbatches
+  _check_layer_fn(layer_fn, one_layer,
+                  jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb,) + np.shape(a)[1:],
+                                                              jnp.result_type(a)), x), mb)
+  return _pipelined(layer_fn, stacked, x, layout, stages, num_microbatches, stage_axis, remat)
+
+
+# -- checks ---------------------------------------------------------------------
+
+def _where(mesh) -> str:
+  return "off mesh" if mesh is None else f"on mesh {mesh_str(mesh)}"
+
+
+def _check_remat(remat) -> None:
+  if not (isinstance(remat, bool) or callable(remat)):
+    raise ValueError(f"run(remat={remat!r}): remat must be True, False or a jax.checkpoint "
+                     "policy such as jax.checkpoint_policies.dots_saveable.")
+
+
+def _check_batch(x, num_microbatches, mesh) -> int:
+  if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, (int, np.integer)) \
+      or num_microbatches < 1:
+    raise ValueError(f"run(num_microbatches={num_microbatches!r}): give an int >= 1.")
+  leaves, _ = jax.tree_util.tree_flatten_with_path(x)
+  if not leaves:
+    raise ValueError("run: x has no array leaves.")
+  batch = None
+  for path, a in leaves:
+    shape = tuple(np.shape(a))
+    name = jax.tree_util.keystr(path) or "x"
+    if not shape:
+      raise ValueError(f"run: x leaf {name} is a scalar; every leaf of x needs the batch as "
+                       "dim 0.")
+    if batch is None:
+      batch = shape[0]
+    elif shape[0] != batch:
+      raise ValueError(f"run: x leaf {name} has shape {shape}, but the batch (dim 0) of the "
+                       f"first leaf is {batch}; every leaf of x needs the same batch.")
+  if batch % num_microbatches:
+    fits = [d for d in range(1, batch + 1) if batch % d == 0]
+    raise ValueError(
+        f"run: x has batch {batch} (shape {tuple(np.shape(leaves[0][1]))}), which "
+        f"num_microbatches={num_microbatches} does not divide ({_where(mesh)}). Use one of "
+        f"{fits}, or pad the batch to a multiple of {num_microbatches}.")
+  return batch
+
+
+def _check_stages(layout: Layout, stages: int, axis: str, mesh, num_microbatches: int):
+  where = f"mesh {mesh_str(mesh)}"
+  if layout.balance is not None:
+    if len(layout.balance) != stages:
+      raise ValueError(
+          f"run: balance={list(layout.balance)} has {len(layout.balance)} stages, but "
+          f"stage_axis {axis!r} has {stages} devices on {where}. Give {stages} counts, e.g. "
+          f"pipeline.balance(costs, num_stages={stages}) (and restack with "
+          f"pipeline.stack(layers, balance=...)).")
+    return
+  per_chunk = layout.num_layers // layout.repeats
+  if per_chunk % stages:
+    v = layout.repeats
+    what = (f"L={layout.num_layers} layers" if v == 1 else
+            f"L/repeats={per_chunk} layers per chunk (L={layout.num_layers}, repeats={v})")
+    raise ValueError(
+        f"run: {what} cannot be cut evenly into {stages} stages (stage_axis {axis!r} on "
+        f"{where}). Use a multiple of {stages * v} layers, or unequal stages: "
+        f"balance=pipeline.balance(costs, num_stages={stages}) with repeats=1 and "
+        "pipeline.stack(layers, balance=...).")
+  if layout.repeats > 1 and num_microbatches % stages:
+    raise ValueError(
+        f"run: num_microbatches={num_microbatches} must be a multiple of the {stages} stages "
+        f"(stage_axis {axis!r} on {where}) when repeats={layout.repeats} > 1: the circular "
+        f"pipeline runs K micro-batches per chunk. Use num_microbatches="
+        f"{stages * -(-num_microbatches // stages)}, or repeats=1.")
+
+
+def _check_layer_fn(layer_fn, one_layer, x, rows) -> None:
+  want = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)
+  got = jax.eval_shape(layer_fn, one_layer, want)
+  if jax.tree.structure(got) != jax.tree.structure(want) or any(
+      (a.shape, a.dtype) != (b.shape, b.dtype)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+    raise ValueError(
+        f"run: layer_fn(one_layer_params, x) must return x's structure, shapes and dtypes; "
+        f"for x of {want} ({rows} rows) it returned {got}.")
+
+
+# -- the plain loop ----------------------------------------------------------------
+
+def _plain(layer_fn, layers, x, remat):
+  """The L layers one after the other (``layers`` leaves ``[L, ...]``)."""
+  fn = _checkpointed(layer_fn, remat, circular=False)
+  y, _ = lax.scan(lambda h, p: (fn(p, h), None), x, layers)
+  return y
+
+
+# -- the tick tables ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Ticks:
+  """What every stage does in each forward tick of the GPipe schedule.
+
+  Attributes:
+    take: ``[T, K]`` bool: the stage computes on what its left neighbour sent
+      (False: it is stage 0 starting a micro-batch, or idle).
+    chunk: ``[T, K]`` int32: the chunk it runs (0 when idle).
+    m_in: ``[T]`` int32: the micro-batch stage 0 starts (idle stages compute
+      on it too; 0 when none starts).
+    t_out: ``[M]`` int32: the tick at which the last stage finishes each
+      micro-batch's last chunk.
+  """
+
+  take: np.ndarray
+  chunk: np.ndarray
+  m_in: np.ndarray
+  t_out: np.ndarray
+
+  @property
+  def num_ticks(self) -> int:
+    return self.take.shape[0]
+
+
+@functools.lru_cache(maxsize=64)
+def forward_ticks(num_stages: int, num_microbatches: int, repeats: int) -> Ticks:
+  """The forward half of ``pipeline.schedule("gpipe", K, M, repeats)`` as tables."""
+  k, m, v = num_stages, num_microbatches, repeats
+  sched = make_schedule("gpipe", num_stages=k, num_microbatches=m, repeats=v)
+  num_ticks = m * v + k - 1
+  take = np.zeros((num_ticks, k), bool)
+  chunk = np.zeros((num_ticks, k), np.int32)
+  m_in = np.zeros((num_ticks,), np.int32)
+  t_out = np.full((m,), -1, np.int32)
+  forwards = 0
+  for t, row in enumerate(sched.table):
+    for s, a in enumerate(row):
+      if a is None or a.kind != "F":
+        continue
+      if not 0 <= t - s < m * v:
+        raise AssertionError(f"gshard internal error: gpipe's F at tick {t}, stage {s} is "
+                             "outside the dense forward ticks.")
+      forwards += 1
+      chunk[t, s] = a.chunk
+      if s == 0 and a.chunk == 0:
+        m_in[t] = a.microbatch
+      else:
+        take[t, s] = True
+      if s == k - 1 and a.chunk == v - 1:
+        t_out[a.microbatch] = t
+  if forwards != k * m * v or (t_out < 0).any():
+    raise AssertionError("gshard internal error: the gpipe table does not have every forward.")
+  return Ticks(take, chunk, m_in, t_out)
+
+
+# -- the pipeline ------------------------------------------------------------------
+
+def _open(ndim: int, *fixed):
+  """``P(*fixed, UNCONSTRAINED, ...)`` for a value of rank ``ndim``."""
+  return P(*fixed, *([P.UNCONSTRAINED] * (ndim - len(fixed))))
+
+
+def _on_stages(tree, axis: str, dim: int = 0):
+  """Pin dim ``dim`` of every leaf over the stage axis (other dims left open)."""
+  def pin(a):
+    return shard(a, _open(a.ndim, *([P.UNCONSTRAINED] * dim), axis))
+  return jax.tree.map(pin, tree)
+
+
+def _stage_major(a, layout: Layout, k: int, axis: str) -> list:
+  """A stacked leaf as one ``[S, K, ...]`` array per chunk, K over ``axis``: S
+  layer slots per stage, each a ``[K, ...]`` value the stages run at once."""
+  v = layout.repeats
+  if layout.balance is not None:
+    return [jnp.swapaxes(shard(a, _open(a.ndim, axis, None)), 0, 1)]
+  per_stage = layout.num_layers // (v * k)
+  if v == 1:
+    a = shard(a.reshape((k, per_stage) + a.shape[1:]), _open(a.ndim + 1, axis, None))
+    return [jnp.swapaxes(a, 0, 1)]
+  a = a.reshape((v, k, per_stage) + a.shape[2:])
+  a = jnp.swapaxes(shard(a, _open(a.ndim, None, axis, None)), 1, 2)
+  return [a[c] for c in range(v)]
+
+
+# Recomputed in the backward pass under any remat setting when repeats > 1:
+# the per-tick copy of a chunk's weights, and the selects / broadcasts that make it.
+_NOT_SAVED = ("select_n", "broadcast_in_dim", "squeeze")
+
+
+def _checkpointed(fn, remat, circular: bool):
+  """``fn`` under the remat setting (circular: never save a chunk's weights)."""
+  if remat is True:
+    return jax.checkpoint(fn, prevent_cse=False)
+  if remat is False and not circular:
+    return fn
+  user = jax.checkpoint_policies.everything_saveable if remat is False else remat
+  if not circular:
+    return jax.checkpoint(fn, prevent_cse=False, policy=user)
+
+  def policy(prim, *args, **params):
+    if prim.name in _NOT_SAVED or (prim.name == "name" and params.get("name") == CHUNK_WEIGHTS):
+      return False
+    return user(prim, *args, **params)
+  return jax.checkpoint(fn, prevent_cse=False, policy=policy)
+
+
+def _stage_fn(layer_fn, layout: Layout, k: int, axis: str, remat):
+  """One tick of every stage: ``(weights, chunk [K], h [K, ...]) -> h``.
+
+  ``weights`` holds one pytree per chunk (leaves ``[S, K, ...]``). Circular:
+  each layer slot's weights are narrowed to the chunk of each stage by a
+  select, named :data:`CHUNK_WEIGHTS`; no remat policy keeps that per-tick
+  copy, it is recomputed from the weights in the backward pass.
+  """
+  v = layout.repeats
+  active = None
+  if layout.balance is not None:
+    counts = np.asarray(layout.balance)
+    active = np.arange(max(counts))[:, None] < counts[None, :]     # [S, K]
+  vmapped = jax.vmap(layer_fn, spmd_axis_name=axis)
+
+  def pick(chunk, *cases):   # each case [K, ...] -> [K, ...]: each stage's chunk
+    which = jnp.broadcast_to(_mask(chunk, cases[0]), cases[0].shape)
+    return checkpoint_name(lax.select_n(which, *cases), CHUNK_WEIGHTS)
+
+  def stage(weights, chunk, h):
+    def layer(h, xs):
+      ws, on = xs
+      w = ws[0] if v == 1 else jax.tree.map(functools.partial(pick, chunk), *ws)
+      y = vmapped(w, h)
+      if on is not None:   # a short stage's idle slot: identity
+        y = jax.tree.map(lambda new, old: jnp.where(_mask(on, old), new, old), y, h)
+      return _on_stages(y, axis), None
+
+    h, _ = lax.scan(layer, _on_stages(h, axis), (weights, active))
+    return h
+
+  return _checkpointed(stage, remat, v > 1)
+
+
+def _mask(m, like):
+  """A ``[K]`` mask shaped to broadcast against ``like`` (``[K, ...]``)."""
+  return jnp.reshape(m, m.shape + (1,) * (like.ndim - m.ndim))
+
+
+def _initial_buffer(shape, dtype):
+  """What the stage buffers hold before the first tick (never read: bubbles
+  compute on real micro-batches)."""
+  return jnp.zeros(shape, dtype)
+
+
+def _microbatches(a, m: int):
+  """``[B, ...] -> [M, B/M, ...]``: micro-batch i holds rows i, i+M, i+2M, ..."""
+  return jnp.swapaxes(a.reshape((a.shape[0] // m, m) + a.shape[1:]), 0, 1)
+
+
+def _merged(a):
+  """The inverse of :func:`_microbatches`."""
+  return jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:])
+
+
+def _pipelined(layer_fn, stacked, x, layout: Layout, k: int, m: int, axis: str, remat):
+  v = layout.repeats
+  ticks = forward_ticks(k, m, v)
+  num_ticks = ticks.num_ticks
+  leaves, tree = jax.tree.flatten(stacked)
+  per_leaf = [_stage_major(a, layout, k, axis) for a in leaves]
+  weights = [tree.unflatten([chunks[c] for chunks in per_leaf]) for c in range(v)]
+  micro = jax.tree.map(lambda a: _microbatches(a, m), x)                 # [M, B/M, ...]
+
+  def per_tick_input(a):   # [T, K, B/M, ...]: the micro-batch stage 0 starts, every stage
+    # broadcast before the gather: its gradient is summed over the stages once, [M, ...]
+    every = _on_stages(jnp.broadcast_to(a[None], (k,) + a.shape), axis)   # [K, M, ...]
+    return jnp.swapaxes(jnp.take(every, ticks.m_in, axis=1), 0, 1)
+  inputs = _on_stages(jax.tree.map(per_tick_input, micro), axis, dim=1)
+  stage = _stage_fn(layer_fn, layout, k, axis, remat)
+
+  def tick(prev, xs):
+    take, chunk, start = xs
+    sent = jax.tree.map(lambda a: shift(a, 0, 1, circular=v > 1), prev)
+    h = jax.tree.map(lambda r, s: jnp.where(_mask(take, s), r, s), _on_stages(sent, axis),
+                     start)
+    out = _on_stages(stage(weights, chunk, _on_stages(h, axis)), axis)
+    return out, out
+
+  init = _on_stages(jax.tree.map(lambda a: _initial_buffer((k,) + a.shape[1:], a.dtype),
+                                 micro), axis)
+  _, outs = lax.scan(tick, init, (ticks.take, ticks.chunk, inputs))    # [T, K, B/M, ...]
+
+  def finished(y):   # the last stage's output of each micro-batch: [M, B/M, ...]
+    y = jnp.take(y, ticks.t_out, axis=0)                                 # [M, K, B/M, ...]
+    last = (np.arange(k) == k - 1).reshape((1, k) + (1,) * (y.ndim - 2))
+    return jnp.sum(jnp.where(last, y, jnp.zeros((), y.dtype)), axis=1)
+  return jax.tree.map(lambda y: _merged(finished(y)), outs)

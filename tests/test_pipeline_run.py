@@ -1,0 +1,338 @@
+"""``gshard.pipeline.run``: GPipe inside the partitioned program equals the plain loop.
+
+Every pipelined loss and gradient is compared with a Python loop over the
+unstacked layers written here (not ``run``). Tolerances are derived: both the
+float32 pipeline and the float32 plain loop are compared with the float64
+plain loop; the pipeline's error (relative to each leaf's largest entry) may
+be at most 4x the plain loop's plus 8 float32 epsilons (the pipeline sums the
+batch mean and every weight gradient in another order: per micro-batch, per
+tick). Both are also held under 1e-5.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from gshard import pipeline
+from gshard.annotate import current_mesh_sizes
+from helpers_partition import mesh
+
+EPS32 = float(np.finfo(np.float32).eps)
+D, H = 16, 32
+
+
+# -- models ------------------------------------------------------------------------
+
+def tanh_layer(p, h):
+  return jnp.tanh(h @ p["w"] + p["b"])
+
+
+def megatron_layer(p, h):
+  """A residual Megatron MLP: columns of w1, rows of w2 over ``model`` when the
+  mesh has it (the annotation names the mesh's axes)."""
+  u = jax.nn.gelu(h @ p["w1"])
+  axes = current_mesh_sizes() or {}
+  if "model" in axes:
+    u = gshard.shard(u, P("data" if "data" in axes else None, "model"))
+  return h + u @ p["w2"] * 0.5
+
+
+def tanh_layers(key, n):
+  keys = jax.random.split(key, n)
+  return [{"w": jax.random.normal(k, (D, D)) / D ** 0.5,
+           "b": jax.random.normal(jax.random.fold_in(k, 1), (D,)) * 0.1} for k in keys]
+
+
+def megatron_layers(key, n):
+  keys = jax.random.split(key, n)
+  return [{"w1": jax.random.normal(k, (D, H)) / D ** 0.5,
+           "w2": jax.random.normal(jax.random.fold_in(k, 1), (H, D)) / H ** 0.5} for k in keys]
+
+
+def plain_loss(layer_fn, layers, x, y):
+  """The reference: a Python loop over the layers, then a squared error."""
+  h = x
+  for p in layers:
+    h = layer_fn(p, h)
+  return jnp.mean((h - y) ** 2)
+
+
+def pipe_loss(layer_fn, m, **kw):
+  def loss(stacked, x, y):
+    return jnp.mean((pipeline.run(layer_fn, stacked, x, num_microbatches=m, **kw) - y) ** 2)
+  return loss
+
+
+def _f64(tree):
+  return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def check_against_plain(layer_fn, layers, x, y, got, *, layout=None, what=""):
+  """``got`` (loss, gradients of the stack) against the float32 and the float64
+  plain loop (gradients restacked in ``got``'s layout)."""
+  layout = layout or {}
+  loss32, grads32 = jax.value_and_grad(lambda ls: plain_loss(layer_fn, ls, x, y))(layers)
+  with jax.enable_x64(True):
+    loss64, grads64 = jax.value_and_grad(lambda ls: plain_loss(layer_fn, ls, *_f64((x, y))))(
+        _f64(layers))
+    exact = jax.tree.map(np.asarray, (loss64, pipeline.stack(grads64, **layout)))
+  ref32 = (loss32, pipeline.stack(grads32, **layout))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(got)[0]]
+  assert len(paths) == len(jax.tree.leaves(exact))
+  for path, g, r, e in zip(paths, jax.tree.leaves(got), jax.tree.leaves(ref32),
+                           jax.tree.leaves(exact)):
+    scale = max(float(np.max(np.abs(e))), 1e-30)
+    err_ref = float(np.max(np.abs(np.asarray(r, np.float64) - e))) / scale
+    err_got = float(np.max(np.abs(np.asarray(g, np.float64) - e))) / scale
+    assert err_got <= 4 * err_ref + 8 * EPS32, (what, path, err_got, err_ref)
+    assert err_got < 1e-5 and err_ref < 1e-5, (what, path, err_got, err_ref)
+
+
+def param_specs(layers, *, stage_dim=0, model=False):
+  """in_specs of a stack: the layer dim(s) over ``stage``; Megatron over ``model``."""
+  lead = (None,) * stage_dim + ("stage",)
+  if "w" in layers[0]:
+    return {"w": P(*lead), "b": P(*lead)}
+  col, row = ("model", None) if model else (None, None)
+  return {"w1": P(*lead, None, col), "w2": P(*lead, col, None)}
+
+
+# -- equal to the plain loop ---------------------------------------------------------
+
+CASES = [
+    # name, mesh, layer, L, M, run kwargs
+    ("K4 M4", ((4,), ("stage",)), "tanh", 8, 4, {}),
+    ("K4 M8", ((4,), ("stage",)), "tanh", 8, 8, {}),
+    ("K4 M16", ((4,), ("stage",)), "tanh", 4, 16, {}),
+    ("K4 M8 data2", ((2, 4), ("data", "stage")), "tanh", 8, 8, {}),
+    ("K2 M2 data4", ((4, 2), ("data", "stage")), "tanh", 4, 2, {}),
+    ("K2 M4 data4", ((4, 2), ("data", "stage")), "tanh", 4, 4, {}),
+    ("K2 M8 data4", ((4, 2), ("data", "stage")), "megatron", 6, 8, {}),
+    ("megatron K2 M2", ((2, 2, 2), ("data", "stage", "model")), "megatron", 4, 2, {}),
+    ("megatron K2 M4", ((2, 2, 2), ("data", "stage", "model")), "megatron", 4, 4, {}),
+    ("circular K4 M8", ((2, 4), ("data", "stage")), "tanh", 16, 8, {"repeats": 2}),
+    ("circular K2 M4", ((2, 2, 2), ("data", "stage", "model")), "megatron", 8, 4,
+     {"repeats": 2}),
+    ("balance 1331", ((4,), ("stage",)), "tanh", 8, 4, {"balance": [1, 3, 3, 1]}),
+    ("balance 31 data4", ((4, 2), ("data", "stage")), "megatron", 4, 4, {"balance": [3, 1]}),
+    ("no remat", ((2, 4), ("data", "stage")), "megatron", 8, 4, {"remat": False}),
+    ("policy", ((2, 4), ("data", "stage")), "megatron", 8, 4,
+     {"remat": jax.checkpoint_policies.dots_saveable}),
+    ("circular no remat", ((2, 4), ("data", "stage")), "tanh", 8, 4,
+     {"repeats": 2, "remat": False}),
+]
+
+
+@pytest.mark.parametrize("name, mesh_args, layer, num_layers, m, kw", CASES,
+                         ids=[c[0] for c in CASES])
+def test_pipeline_equals_plain_loop(name, mesh_args, layer, num_layers, m, kw):
+  layer_fn, make = ((tanh_layer, tanh_layers) if layer == "tanh" else
+                    (megatron_layer, megatron_layers))
+  key = jax.random.PRNGKey(len(name))
+  layers = make(key, num_layers)
+  batch = 32 if m == 8 else 16     # a micro-batch of 4 rows: 1 per device over data=4
+  x = jax.random.normal(jax.random.fold_in(key, 7), (batch, D))
+  y = jax.random.normal(jax.random.fold_in(key, 8), (batch, D))
+  layout = {k: kw[k] for k in ("repeats", "balance") if k in kw}
+  stacked = pipeline.stack(layers, **layout)
+  m_ = mesh(*mesh_args)
+  stage_dim = 1 if kw.get("repeats", 1) > 1 else 0
+  specs = param_specs(layers, stage_dim=stage_dim, model="model" in mesh_args[1])
+  data = P("data") if "data" in mesh_args[1] else P()
+  step = gshard.partition(jax.value_and_grad(pipe_loss(layer_fn, m, **kw)), m_,
+                          in_specs=(specs, data, data))
+  got = step(stacked, x, y)
+  check_against_plain(layer_fn, layers, x, y, got, layout=layout, what=name)
+  low = step.lower(stacked, x, y)
+  kinds = {(c.kind, c.axes) for c in low.collectives()}
+  assert ("ppermute", ("stage",)) in kinds
+  assert not any(c.kind == "all_gather" for c in low.collectives()), low.explain()
+  assert low.fallbacks == []
+  if layer == "megatron" and "model" in mesh_args[1]:
+    assert ("psum", ("model",)) in kinds
+
+
+def test_off_mesh_run_is_the_plain_loop_bit_for_bit():
+  layers = tanh_layers(jax.random.PRNGKey(0), 8)
+  x = jax.random.normal(jax.random.PRNGKey(1), (12, D))
+  want = x
+  for p in layers:
+    want = tanh_layer(p, want)
+  for layout in ({}, {"repeats": 2}, {"balance": [1, 3, 3, 1]}, {"repeats": 4}):
+    stacked = pipeline.stack(layers, **layout)
+    for remat in (True, False):
+      got = pipeline.run(tanh_layer, stacked, x, num_microbatches=3, remat=remat, **layout)
+      np.testing.assert_array_equal(got, want, err_msg=str(layout))
+      got = jax.jit(lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4,
+                                               remat=remat, **layout))(stacked, x)
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=str(layout))
+
+
+def test_on_a_mesh_without_the_stage_axis_run_is_the_plain_loop():
+  layers = megatron_layers(jax.random.PRNGKey(0), 4)
+  x = jax.random.normal(jax.random.PRNGKey(1), (16, D))
+  y = jnp.zeros((16, D))
+  m = mesh((2, 4), ("data", "model"))
+  specs = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
+  step = gshard.partition(jax.value_and_grad(pipe_loss(megatron_layer, 4)), m,
+                          in_specs=(specs, P("data"), P("data")))
+  got = step(pipeline.stack(layers), x, y)
+  check_against_plain(megatron_layer, layers, x, y, got, what="no stage axis")
+  assert "ppermute" not in {c.kind for c in step.lower(pipeline.stack(layers), x, y)
+                            .collectives()}
+
+
+def test_pytree_activations():
+  """``x`` may be a pytree: every leaf is micro-batched and passed along."""
+  def layer(p, hs):
+    a, b = hs["a"], hs["b"]
+    return {"a": jnp.tanh(a @ p["w"] + b[:, :1]), "b": b * 0.5 + a[:, :2]}
+
+  layers = tanh_layers(jax.random.PRNGKey(0), 4)
+  xs = {"a": jax.random.normal(jax.random.PRNGKey(1), (8, D)),
+        "b": jax.random.normal(jax.random.PRNGKey(2), (8, 2))}
+
+  def loss(run_fn):
+    def f(stacked, xs):
+      out = run_fn(stacked, xs)
+      return jnp.sum(out["a"] ** 2) + jnp.sum(out["b"] ** 3)
+    return f
+
+  ref = jax.value_and_grad(loss(lambda s, xs: pipeline.run(layer, s, xs,
+                                                           num_microbatches=4)))(
+      pipeline.stack(layers), xs)
+  step = gshard.partition(jax.value_and_grad(loss(
+      lambda s, xs: pipeline.run(layer, s, xs, num_microbatches=4))), mesh((4,), ("stage",)),
+      in_specs=({"w": P("stage"), "b": P("stage")}, None))
+  got = step(pipeline.stack(layers), xs)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-6)
+
+
+# -- bubbles never leak ---------------------------------------------------------------
+
+def sqrt_layer(p, h):
+  """Finite only for h >= 0, with an infinite derivative at 0: a garbage (NaN,
+  negative or zero) input anywhere would reach the loss or the gradients."""
+  return jax.nn.softplus(h @ p["w"]) + jnp.sqrt(h) + jnp.log(h)
+
+
+@pytest.mark.parametrize("kw", [{}, {"repeats": 2}, {"balance": [1, 2]}, {"remat": False}],
+                         ids=["gpipe", "circular", "balance", "no remat"])
+def test_nan_filled_buffers_never_reach_values_or_gradients(monkeypatch, kw):
+  from gshard.pipeline import loop
+  monkeypatch.setattr(loop, "_initial_buffer",
+                      lambda shape, dtype: jnp.full(shape, jnp.nan, dtype))
+  layers = [{"w": jax.random.normal(k, (D, D)) * 0.1, "b": jnp.zeros(D)}
+            for k in jax.random.split(jax.random.PRNGKey(3), 4 if kw != {"balance": [1, 2]}
+                                      else 3)]
+  x = jax.random.uniform(jax.random.PRNGKey(4), (8, D), minval=0.5, maxval=2.0)
+  y = jnp.zeros((8, D))
+  layout = {k: kw[k] for k in ("repeats", "balance") if k in kw}
+  step = gshard.partition(jax.value_and_grad(pipe_loss(sqrt_layer, 4, **kw)),
+                          mesh((2,), ("stage",)),
+                          in_specs=({"w": P(*(None,) * ("repeats" in kw), "stage"),
+                                     "b": P(*(None,) * ("repeats" in kw), "stage")},
+                                    None, None))
+  got = step(pipeline.stack(layers, **layout), x, y)
+  assert all(bool(np.all(np.isfinite(g))) for g in jax.tree.leaves(got)), got
+  check_against_plain(sqrt_layer, layers, x, y, got, layout=layout, what=str(kw))
+
+
+# -- errors name the argument, the shape, the mesh and a fix -----------------------------
+
+def _trace(fn, m, *args):
+  return gshard.partition(fn, mesh(*m)).lower(*args)
+
+
+ERRORS = [
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=5), ((4,), ("stage",)), 8,
+     {}, r"x has batch 16 \(shape \(16, 16\)\), which num_microbatches=5 does not divide "
+         r"\(on mesh \(stage=4\)\)\. Use one of \[1, 2, 4, 8, 16\]"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4), ((4,), ("stage",)), 6,
+     {}, r"L=6 layers cannot be cut evenly into 4 stages \(stage_axis 'stage' on mesh "
+         r"\(stage=4\)\)\. Use a multiple of 4 layers, or unequal stages: "
+         r"balance=pipeline.balance\(costs, num_stages=4\)"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, repeats=2),
+     ((4,), ("stage",)), 12, {"repeats": 2},
+     r"L/repeats=6 layers per chunk \(L=12, repeats=2\) cannot be cut evenly into 4 stages"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=2, repeats=2),
+     ((4,), ("stage",)), 16, {"repeats": 2},
+     r"num_microbatches=2 must be a multiple of the 4 stages .* Use num_microbatches=4"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, balance=[2, 2, 4]),
+     ((4,), ("stage",)), 8, {"balance": [2, 2, 4]},
+     r"balance=\[2, 2, 4\] has 3 stages, but stage_axis 'stage' has 4 devices on mesh "
+     r"\(stage=4\)\. Give 4 counts"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, repeats=2),
+     ((4,), ("stage",)), 8, {},
+     r"leaf \['b'\] has shape \(8, 16\); with repeats=2 every leaf is \[repeats, L/repeats, "
+     r"\.\.\.\] = \[2, L/2, \.\.\.\]\. Use pipeline.stack\(layer_params, repeats=2\)"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, balance=[1, 3]),
+     ((2,), ("stage",)), 4, {},
+     r"leaf \['w'\] has shape \(4, 16, 16\), but stacked leaf \['b'\] has shape \(4, 16\)"
+     r"|leaf \['b'\] has shape \(4, 16\).*\[2, 3, \.\.\.\]"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, schedule="1f1b"),
+     ((4,), ("stage",)), 8, {}, r"run\(schedule='1f1b'\): run executes 'gpipe'"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, remat="yes"),
+     ((4,), ("stage",)), 8, {}, r"remat must be True, False or a jax.checkpoint policy"),
+    (lambda s, x: pipeline.run(lambda p, h: h[:, :2], s, x, num_microbatches=4),
+     ((4,), ("stage",)), 8, {}, r"layer_fn\(one_layer_params, x\) must return x's structure"),
+    (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, balance=[2, 2],
+                               repeats=2),
+     ((2,), ("stage",)), 4, {"balance": [2, 2]}, r"run supports unequal stages with "
+                                                   r"repeats=1 only"),
+]
+
+
+@pytest.mark.parametrize("fn, mesh_args, num_layers, layout, message", ERRORS)
+def test_errors_name_the_argument_shape_mesh_and_fix(fn, mesh_args, num_layers, layout,
+                                                     message):
+  stacked = pipeline.stack(tanh_layers(jax.random.PRNGKey(0), num_layers), **layout)
+  with pytest.raises(ValueError, match=message):
+    _trace(fn, mesh_args, stacked, jnp.ones((16, D)))
+
+
+def test_off_mesh_errors_too():
+  stacked = pipeline.stack(tanh_layers(jax.random.PRNGKey(0), 4))
+  with pytest.raises(ValueError, match=r"num_microbatches=3 does not divide \(off mesh\)"):
+    pipeline.run(tanh_layer, stacked, jnp.ones((16, D)), num_microbatches=3)
+
+
+def test_stack_errors_and_round_trip():
+  layers = tanh_layers(jax.random.PRNGKey(0), 6)
+  with pytest.raises(ValueError, match=r"balance=\[1, 2\] sums to 3, but there are 6 layers"):
+    pipeline.stack(layers, balance=[1, 2])
+  with pytest.raises(ValueError, match=r"repeats=4 must divide the number of layers 6"):
+    pipeline.stack(layers, repeats=4)
+  with pytest.raises(ValueError, match=r"leaf 0 of layer 1 is float32\[3\]"):
+    pipeline.stack([{"w": jnp.ones(2)}, {"w": jnp.ones(3)}])
+  for layout in ({}, {"repeats": 3}, {"balance": [1, 4, 1]}):
+    stacked = pipeline.stack(layers, **layout)
+    back = pipeline.unstack(stacked, **layout)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(layers)):
+      np.testing.assert_array_equal(a, b)
+  padded = pipeline.stack(layers, balance=[1, 4, 1])
+  assert padded["w"].shape == (3, 4, D, D)
+  np.testing.assert_array_equal(padded["w"][0, 1:], 0)
+  np.testing.assert_array_equal(padded["w"][1], jnp.stack([p["w"] for p in layers[1:5]]))
+  assert pipeline.stack(layers, repeats=3)["w"].shape == (3, 2, D, D)
+
+
+# -- the example: layers before and after the stack on the same mesh --------------------
+
+def test_pipelined_gpt_example_matches_the_plain_loop_and_trains():
+  """examples/pipeline_gpt.py: embedding, 8 pipelined blocks over (data=2, stage=4),
+  head and loss in one partitioned Adam step; its first loss is the plain loop's."""
+  from examples import pipeline_gpt
+  losses, plain, low = pipeline_gpt.train(steps=3, verbose=False)
+  assert abs(losses[0] - plain) <= 1e-5 * abs(plain), (losses[0], plain)
+  assert losses[-1] < losses[0]
+  permutes = [c for c in low.collectives() if c.kind == "ppermute"]
+  assert [c.axes for c in permutes] == [("stage",), ("stage",)]
+  assert not any(c.kind == "all_gather" for c in low.collectives())
+  assert low.fallbacks == []
