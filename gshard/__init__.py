@@ -9,8 +9,12 @@ Public API::
   gshard.TensorSharding                            the sharding value
   gshard.coverage                                  which primitives take the safe path
   gshard.gspmd_jit                                 the same annotations, through XLA GSPMD
+  gshard.distributed                               JAX's multi-process runtime: initialize, process_rows
+
+  python -m gshard.launch                          run a script as N processes on this machine
 """
 
+from gshard import distributed
 from gshard._mesh import make_mesh
 from gshard.annotate import replicate, shard, split
 from gshard.coverage import Coverage, coverage
@@ -22,5 +26,5 @@ from gshard.spmd.sharding import TensorSharding
 
 __all__ = ["Collective", "Coverage", "PartitionWarning", "Partitioned", "ShardingResult",
            "TensorSharding", "coverage", "gspmd_jit", "infer_shardings", "make_mesh",
-           "partition", "replicate", "shard", "split"]
+           "distributed", "partition", "replicate", "shard", "split"]
 __version__ = "0.1.0"
