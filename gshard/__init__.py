@@ -10,11 +10,12 @@ Public API::
   gshard.coverage                                  which primitives take the safe path
   gshard.gspmd_jit                                 the same annotations, through XLA GSPMD
   gshard.distributed                               JAX's multi-process runtime: initialize, process_rows
+  gshard.checkpoint                                save / restore train state with orbax-checkpoint
 
   python -m gshard.launch                          run a script as N processes on this machine
 """
 
-from gshard import distributed
+from gshard import checkpoint, distributed
 from gshard._mesh import make_mesh
 from gshard.annotate import replicate, shard, split
 from gshard.coverage import Coverage, coverage
@@ -26,5 +27,5 @@ from gshard.spmd.sharding import TensorSharding
 
 __all__ = ["Collective", "Coverage", "PartitionWarning", "Partitioned", "ShardingResult",
            "TensorSharding", "coverage", "gspmd_jit", "infer_shardings", "make_mesh",
-           "distributed", "partition", "replicate", "shard", "split"]
+           "checkpoint", "distributed", "partition", "replicate", "shard", "split"]
 __version__ = "0.1.0"
