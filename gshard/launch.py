@@ -189,7 +189,8 @@ def launch(command: Sequence[str], processes: int = 2, devices_per_process: int 
   lock = threading.Lock()
   procs: list[_Process] = []
   with lock:
-    err.write(f"gshard.launch: {processes} processes x {devices_per_process} CPU devices, "
+    err.write(f"gshard.launch: {processes} process{'es' if processes > 1 else ''} x "
+              f"{devices_per_process} CPU device{'s' if devices_per_process > 1 else ''}, "
               f"coordinator 127.0.0.1:{port}: {shlex.join(command)}\n")
     err.flush()
   t0 = time.monotonic()

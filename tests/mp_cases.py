@@ -56,10 +56,16 @@ def feed(mesh, spec, value: np.ndarray):
 
 
 def fetch(tree):
-  """Every leaf in full on the host: one jitted copy to fully replicated (across
-  processes, an all-gather), then the local copy."""
+  """Every leaf's logical value in full on the host: one jitted copy to fully
+  replicated (across processes, an all-gather), then the local copy. A padded
+  value (gshard.PaddedArray) is its logical rows."""
   mesh = jax.tree.leaves(tree)[0].sharding.mesh
-  full = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
+  padded = gshard.checkpoint.is_padded
+
+  def logical(t):
+    return jax.tree.map(lambda x: x.data[tuple(slice(0, n) for n in x.shape)]
+                        if padded(x) else x, t, is_leaf=padded)
+  full = jax.jit(logical, out_shardings=NamedSharding(mesh, P()))(tree)
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), full)
 
 

@@ -52,8 +52,15 @@ def _train(cfg, mesh, step, state, steps):
   return params, opt_state
 
 
+def _logical(tree) -> list[np.ndarray]:
+  """The leaves' logical values on the host (a padded value: its logical rows)."""
+  padded = gshard.checkpoint.is_padded
+  return [np.asarray(x.data)[tuple(slice(0, n) for n in x.shape)] if padded(x)
+          else np.asarray(x) for x in jax.tree.leaves(tree, is_leaf=padded)]
+
+
 def _assert_bitwise(got, want, what=""):
-  g, w = jax.tree.leaves(got), jax.tree.leaves(want)
+  g, w = _logical(got), _logical(want)
   assert len(g) == len(w) > 0, what
   for i, (a, b) in enumerate(zip(g, w)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what} leaf {i}")
@@ -77,12 +84,21 @@ def test_restore_lays_state_out_as_the_step_wants(trained):
   assert len(target) == 4 and target[0]["embed"].shape == (VOCAB, 32)
   restored = gshard.checkpoint.restore(path, target[:2])
   _assert_bitwise(restored, state, "restored")
+  # every restored leaf has its target's layout; a plain target is the layout
+  # the step places that argument with (a padded one, the layout inside)
+  padded = gshard.checkpoint.is_padded
   prog = step.program(*init, *batch)
-  placed = [NamedSharding(step.mesh, s.to_spec()) for s in prog.in_place]
-  flat = jax.tree.leaves(restored)
-  for i, (x, want) in enumerate(zip(flat, placed)):
-    assert x.sharding.is_equivalent_to(want, x.ndim), (i, x.sharding, want)
-  assert len(flat) == len(jax.tree.leaves(state))
+  flat_target = jax.tree.leaves(target, is_leaf=padded)
+  flat = jax.tree.leaves(restored, is_leaf=padded)
+  assert len(flat) == len(jax.tree.leaves(state, is_leaf=padded))
+  for i, (x, t) in enumerate(zip(flat, flat_target)):
+    assert padded(x) == padded(t), i
+    got, want = (x.data.sharding, t.data.sharding) if padded(t) else (x.sharding, t.sharding)
+    assert got == want, (i, got, want)
+  for i, t in enumerate(flat_target):
+    if not padded(t):
+      want = NamedSharding(step.mesh, prog.in_place[i].to_spec())
+      assert t.sharding.is_equivalent_to(want, len(t.shape)), (i, t.sharding, want)
   # the wq heads are split over model=4 as in_specs say
   wq = restored[0]["layers"][0]["wq"]
   assert wq.sharding.spec == P(None, "model", None)
@@ -103,8 +119,10 @@ def test_restore_onto_another_mesh_shape(trained, mesh_shape):
     assert x.sharding.mesh.shape == dict(zip(("data", "model"), mesh_shape))
   if mesh_shape == (4, 2):     # (one compilation is enough to show the step takes it)
     tokens, targets = checkpoint_resume.global_batch(cfg, 2)
-    placed = jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, P())),
-                          state)
+    padded = gshard.checkpoint.is_padded
+    placed = jax.tree.unflatten(
+        jax.tree.structure(state, is_leaf=padded),
+        [jax.device_put(x, NamedSharding(mesh, P())) for x in _logical(state)])
     _assert_bitwise(step(*restored, tokens, targets), step(*placed, tokens, targets),
                     f"a step on {mesh_shape}")
 
