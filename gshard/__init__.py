@@ -10,8 +10,13 @@ Public API::
   gshard.PaddedArray / gshard.unpad                uneven state kept split between calls
   gshard.coverage                                  which primitives take the safe path
   gshard.gspmd_jit                                 the same annotations, through XLA GSPMD
+  gshard.distributed                               JAX's multi-process runtime: initialize, process_rows
+  gshard.checkpoint                                save / restore train state with orbax-checkpoint
+
+  python -m gshard.launch                          run a script as N processes on this machine
 """
 
+from gshard import checkpoint, distributed
 from gshard._mesh import make_mesh
 from gshard.annotate import replicate, shard, split
 from gshard.coverage import Coverage, coverage
@@ -23,6 +28,7 @@ from gshard.spmd.partition.padded import PaddedArray, unpad
 from gshard.spmd.sharding import TensorSharding
 
 __all__ = ["Collective", "Coverage", "PaddedArray", "PartitionWarning", "Partitioned",
-           "ShardingResult", "TensorSharding", "coverage", "gspmd_jit", "infer_shardings",
-           "make_mesh", "partition", "replicate", "shard", "split", "unpad"]
+           "ShardingResult", "TensorSharding", "checkpoint", "coverage", "distributed",
+           "gspmd_jit", "infer_shardings", "make_mesh", "partition", "replicate", "shard",
+           "split", "unpad"]
 __version__ = "0.1.0"
