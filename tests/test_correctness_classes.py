@@ -46,7 +46,7 @@ M24 = ((2, 4), ("a", "b"))
 
 
 def _same(got, want, what):
-  got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+  got_leaves, want_leaves = jax.tree.leaves(gshard.unpad(got)), jax.tree.leaves(want)
   assert len(got_leaves) == len(want_leaves), what
   for g, w in zip(got_leaves, want_leaves):
     g, w = np.asarray(g), np.asarray(w)
