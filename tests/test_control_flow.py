@@ -158,12 +158,19 @@ def test_scanned_layer_stack_keeps_its_loops():
 
   c2, c8 = low2.collectives(), low8.collectives()
   assert len(c2) == len(c8)
-  in_loop = 0
+  in_loop = []
   for a, b in zip(c2, c8):
     assert (a.kind, a.axes, a.primitive, a.shape) == (b.kind, b.axes, b.primitive, b.shape)
     assert b.bytes in (a.bytes, 4 * a.bytes), (str(a), str(b))
-    in_loop += b.bytes == 4 * a.bytes != a.bytes
-  assert in_loop > 0
+    if b.bytes == 4 * a.bytes != a.bytes:
+      in_loop.append(a)
+  # in the loop: each stacked parameter's gradient summed over data, once per
+  # layer (one layer's slice), and over model only activations [B, T(, D)]
+  layers = jax.eval_shape(lambda: M.gpt_scan_init(jax.random.PRNGKey(0), n_layers=2,
+                                                  **GPT_SIZES))["layers"]
+  assert sorted(c.shape for c in in_loop if "data" in c.axes) == sorted(
+      x.shape[1:] for x in jax.tree.leaves(layers))
+  assert {c.shape for c in in_loop if c.axes == ("model",)} == {(8, 8, 32), (8, 8)}
 
 
 def test_unscanned_stack_grows_with_depth():
