@@ -187,6 +187,25 @@ def assert_close_to_f64(got, want, exact, *, n: int, old=None,
   return ratios
 
 
+def check_steps(step, ref_step, exact_step, state, batch, *, n: int,
+                adam: AdamSpec | None = None, steps: int = 3):
+  """Run ``steps`` partitioned steps, ``step(*state, *batch) -> (*new_state,
+  loss)``; from each step's input state run it on one device in f32
+  (``ref_step``) and in f64 (``exact_step``, a ``jax.jit`` of its own), and
+  check the partitioned state and loss with :func:`assert_close_to_f64`
+  (``n``: the step's longest reduction; ``adam``: where Adam's moments are).
+  All three runs start each step from the partitioned run's state, so the
+  bound is one step's rounding, not a trajectory's. Returns the last output."""
+  got = tuple(state)
+  for i in range(steps):
+    out = step(*got, *batch)
+    want = ref_step(*to_host(got), *batch)
+    assert_close_to_f64(out, want, f64_run(exact_step, *got, *batch), n=n, old=got,
+                        adam=adam, what=f"step {i}: ")
+    got = tuple(out[:-1])
+  return out
+
+
 def _f32_interval(b: float, t: int) -> tuple[float, float]:
   """Where the f32 runs' bias correction ``1 - b^t`` lies: ``b`` rounded to
   f32, its power within one ulp (``2u`` relative), the subtraction rounded

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard
 from examples import models as M
+from helpers_numerics import check_steps
 from helpers_partition import assert_named_sharding, assert_trees_close, mesh
 
 pytestmark = pytest.mark.filterwarnings("error::gshard.PartitionWarning")
@@ -108,16 +109,18 @@ def test_scanned_gpt_sgd_steps_equal_one_device():
   params = numpy_params(M.gpt_scan_init, n_layers=3, **GPT_SIZES)
   specs = M.gpt_scan_specs(params)
   step = gshard.partition(SCAN_SGD, m, in_specs=(specs, P("data"), P("data")))
-  ref_step = jax.jit(SCAN_SGD)
-  got = want = params
   batch = gpt_batch()
   losses = []
-  for i in range(3):
-    got, loss = step(got, *batch)
-    want, ref_loss = ref_step(want, *batch)
-    assert_trees_close((got, loss), (want, ref_loss), rtol=2e-5, atol=2e-5,
-                       what=f"step {i}")
-    losses.append(float(loss))
+
+  def logged(*args):
+    out = step(*args)
+    losses.append(float(out[-1]))
+    return out
+
+  # against a float64 run, within the bound the 1-device f32 run's error gives
+  # (helpers_numerics); the longest sums are over the 64 tokens, the 64 words
+  got, _ = check_steps(logged, jax.jit(SCAN_SGD), jax.jit(SCAN_SGD), (params,), batch,
+                       n=batch[0].size)
   assert losses[2] < losses[0]          # it trains
   flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
   for k, (leaf, spec) in enumerate(zip(jax.tree.leaves(got), flat_specs)):

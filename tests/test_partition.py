@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import gshard
 from examples import models as M
 from gshard.spmd.registry import sharding_rule
-from helpers_numerics import AdamSpec, assert_close_to_f64, f64_run, to_host
+from helpers_numerics import AdamSpec, check_steps
 from helpers_partition import (assert_named_sharding, assert_trees_close,
                                check_shards_against_reference, hlo_collectives, mesh)
 
@@ -39,27 +39,6 @@ def line_of(fn, text: str) -> int:
   hits = [start + i for i, line in enumerate(lines) if text in line]
   assert len(hits) == 1, (text, hits)
   return hits[0]
-
-
-def run_steps(step, ref_step, exact_step, state, batch, *, n: int, adam=None, steps=3):
-  """Run ``steps`` partitioned steps; from each step's input state run the step
-  on one device in f32 (``ref_step``) and in f64 (``exact_step``, a ``jax.jit``
-  of its own) too, and check the partitioned state and loss against the f64
-  run within the bound derived from the 1-device f32 run's error
-  (``helpers_numerics``: ``n`` the longest reduction, the batch; Adam's
-  parameters through its update, ``adam``). Each step starts all three runs
-  from the partitioned run's state, so the bound is one step's rounding.
-
-  ``step(*state, *batch)`` returns ``(*new_state, loss)``.
-  """
-  got = tuple(state)
-  for i in range(steps):
-    out = step(*got, *batch)
-    want = ref_step(*to_host(got), *batch)
-    assert_close_to_f64(out, want, f64_run(exact_step, *got, *batch), n=n, old=got,
-                        adam=adam, what=f"step {i}: ")
-    got = tuple(out[:-1])
-  return out
 
 
 # -- the Megatron MLP ----------------------------------------------------------
@@ -81,7 +60,7 @@ def test_mlp_sgd_equals_one_device(shape):
   m = mesh(shape, ("data", "model"))
   params = M.mlp_init(jax.random.PRNGKey(0), 32, 128)
   step = gshard.partition(MLP_STEP, m, in_specs=(M.MLP_SPECS, P("data"), None))
-  out = run_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
+  out = check_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
   low = step.lower(params, *mlp_batch())
   for k, (x, s) in enumerate(zip(jax.tree.leaves(out), low.out_shardings)):
     assert_named_sharding(x, m, s.to_spec(), f"output {k}")
@@ -94,7 +73,7 @@ def test_mlp_data_parallel_1d_mesh():
   m = mesh((8,), ("data",))
   params = M.mlp_init(jax.random.PRNGKey(0), 32, 128)
   step = gshard.partition(MLP_STEP, m, in_specs=(None, P("data"), None))
-  run_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
+  check_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
   low = step.lower(params, *mlp_batch())
   assert [s.to_spec() for s in low.in_shardings[:2]] == [P(None, None)] * 2
   kinds = {(c.kind, c.axes) for c in low.collectives()}
@@ -111,7 +90,7 @@ def test_mlp_tensor_parallel_1d_mesh():
   params = M.mlp_init(jax.random.PRNGKey(0), 32, 128)
   sgd = M.sgd_step(_mlp_loss_unannotated)
   step = gshard.partition(sgd, m, in_specs=(M.MLP_SPECS, None, None))
-  run_steps(step, jax.jit(sgd), jax.jit(sgd), (params,), mlp_batch(), n=MLP_N)
+  check_steps(step, jax.jit(sgd), jax.jit(sgd), (params,), mlp_batch(), n=MLP_N)
   cols = step.lower(params, *mlp_batch()).collectives()
   assert {c.kind for c in cols} == {"psum"} and all(c.axes == ("model",) for c in cols)
 
@@ -122,7 +101,7 @@ def test_mlp_3d_mesh_hidden_split_over_two_axes():
   specs = {"w1": P(None, ("model", "x")), "w2": P(("model", "x"), None)}
   params = M.mlp_init(jax.random.PRNGKey(0), 32, 128)
   step = gshard.partition(MLP_STEP, m, in_specs=(specs, P("data"), None))
-  out = run_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
+  out = check_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
   assert out[0]["w1"].sharding.spec == P(None, ("model", "x"))
   assert not [c for c in step.lower(params, *mlp_batch()).collectives()
               if c.kind == "all_gather"]
@@ -156,7 +135,7 @@ def test_gpt_sgd_equals_one_device(shape, names):
   params = M.gpt_init(jax.random.PRNGKey(0))
   step = gshard.partition(GPT_SGD, m,
                           in_specs=(M.gpt_specs(params), P("data"), P("data")))
-  out = run_steps(step, GPT_SGD_REF, GPT_SGD_EXACT, (params,), gpt_batch(), n=GPT_N)
+  out = check_steps(step, GPT_SGD_REF, GPT_SGD_EXACT, (params,), gpt_batch(), n=GPT_N)
   low = step.lower(params, *gpt_batch())
   for k, (x, s) in enumerate(zip(jax.tree.leaves(out), low.out_shardings)):
     assert_named_sharding(x, m, s.to_spec(), f"output {k}")
@@ -181,7 +160,7 @@ def test_gpt_adam_equals_one_device(shape):
   opt_state = ADAM.init(params)
   step = gshard.partition(_gpt_adam_step, m,
                           in_specs=(M.gpt_specs(params), None, P("data"), P("data")))
-  out = run_steps(step, jax.jit(_gpt_adam_step), jax.jit(_gpt_adam_step),
+  out = check_steps(step, jax.jit(_gpt_adam_step), jax.jit(_gpt_adam_step),
                   (params, opt_state), gpt_batch(), n=GPT_N, adam=ADAM_SPEC)
   # the moments follow their parameters' layout
   mu = out[1][0].mu
