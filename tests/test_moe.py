@@ -187,21 +187,27 @@ def test_moe_transformer_train_step_partitioned_equals_unpartitioned(shape, name
 
 
 def test_moe_apply_errors():
-  params = moe_init(jax.random.PRNGKey(0), 8, 16, 4)
+  # shapes only (jax.eval_shape): the checks run at trace time, nothing compiles
+  params = jax.eval_shape(lambda: moe_init(jax.random.PRNGKey(0), 8, 16, 4))
+
+  def apply(x, **kw):
+    return jax.eval_shape(lambda p, x: moe_apply(p, x, **kw), params, x)
   with pytest.raises(ValueError, match=r"x must be \[G, S, M\].*got shape \(4, 8\)"):
-    moe_apply(params, jnp.zeros((4, 8)), second_policy="all")
+    apply(jax.ShapeDtypeStruct((4, 8), jnp.float32), second_policy="all")
   with pytest.raises(ValueError, match="num_selected must be 1 or 2, got 3"):
-    moe_apply(params, jnp.zeros((2, 4, 8)), num_selected=3)
-  y, aux, _ = moe_apply(params, jnp.ones((2, 4, 8)), second_policy="all")
+    apply(jax.ShapeDtypeStruct((2, 4, 8), jnp.float32), num_selected=3)
+  y, aux, _ = apply(jax.ShapeDtypeStruct((2, 4, 8), jnp.float32), second_policy="all")
   assert y.shape == (2, 4, 8) and aux.shape == ()
 
 
 def test_moe_apply_bf16_activations():
-  params = jax.tree.map(lambda w: w.astype(jnp.bfloat16),
-                        moe_init(jax.random.PRNGKey(0), 8, 16, 4))
+  # jitted: eagerly, every operation of the layer would compile a program of its own
+  apply = jax.jit(lambda p, x: moe_apply(p, x, second_policy="all"))
+  f32 = jax.jit(moe_init, static_argnums=(1, 2, 3))(jax.random.PRNGKey(0), 8, 16, 4)
+  params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), f32)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 8)).astype(jnp.bfloat16)
-  y, aux, _ = moe_apply(params, x, second_policy="all")
+  y, aux, _ = apply(params, x)
   assert y.dtype == jnp.bfloat16 and aux.dtype == jnp.float32
   f32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-  y32, _, _ = moe_apply(f32, x.astype(jnp.float32), second_policy="all")
+  y32, _, _ = apply(f32, x.astype(jnp.float32))
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y32), atol=0.1)

@@ -243,9 +243,12 @@ def test_gates_normalised_and_softmax_in_float32():
 
 
 def test_aux_loss_scaling_and_gradient():
+  # each gating and gradient jitted: eagerly, every operation compiles on its own
+  aux = jax.jit(lambda z, scaling: top2_gating(z, second_policy="all",
+                                                aux_loss_scaling=scaling).aux_loss,
+                static_argnums=1)
   logits = jnp.zeros((3, 16, 8))            # a uniform router
-  paper = top2_gating(logits, second_policy="all").aux_loss
-  lingvo = top2_gating(logits, second_policy="all", aux_loss_scaling="lingvo").aux_loss
+  paper, lingvo = aux(logits, "paper"), aux(logits, "lingvo")
   np.testing.assert_allclose(float(paper), 1 / 64, rtol=1e-6)
   np.testing.assert_allclose(float(lingvo), 1.0, rtol=1e-6)
   # The gradients, against the softmax's Jacobian written out in float64: with
@@ -260,7 +263,7 @@ def test_aux_loss_scaling_and_gradient():
 
   # aux = mean over (g, e) of density[g, e] * mean_s p[g, s, e]; the density (the
   # top-1 fraction) has no gradient: a[g, s, e] = density[g, e] / (G E S)
-  grad = jax.grad(lambda z: top2_gating(z, second_policy="all").aux_loss)(logits)
+  grad = jax.jit(jax.grad(aux), static_argnums=1)(logits, "paper")
   density = np.eye(experts)[p.argmax(-1)].mean(axis=1, keepdims=True)
   np.testing.assert_allclose(np.asarray(grad),
                              softmax_vjp(np.broadcast_to(density, p.shape)
@@ -268,9 +271,12 @@ def test_aux_loss_scaling_and_gradient():
                              rtol=1e-5, atol=1e-9)
   # top-1 weights are raw gates: the sum of the kept tokens' p[e1] has gradient
   # a = onehot(e1) through the softmax, a = 0 for a token over capacity (C = 2)
-  result = top1_gating(logits, min_capacity=1)
-  grad = jax.grad(lambda z: jnp.sum(top1_gating(z, min_capacity=1).combine_weights))(logits)
-  kept = np.asarray(result.dispatch_mask).any(axis=(2, 3))
+  def top1_total(z):
+    result = top1_gating(z, min_capacity=1)
+    return jnp.sum(result.combine_weights), result.dispatch_mask
+
+  grad, dispatch = jax.jit(jax.grad(top1_total, has_aux=True))(logits)
+  kept = np.asarray(dispatch).any(axis=(2, 3))
   assert 0 < kept.sum() < kept.size           # both kinds of token are covered
   a = np.eye(experts)[p.argmax(-1)] * kept[..., None]
   np.testing.assert_allclose(np.asarray(grad), softmax_vjp(a), rtol=1e-5, atol=1e-7)
