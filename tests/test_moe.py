@@ -91,11 +91,15 @@ def test_one_layer_train_step_has_four_all_to_alls_of_analytic_size(groups, expe
   capacity = expert_capacity(16, experts, capacity_factor=2.0)
   want = _analytic_all_to_all_bytes(experts, groups, capacity, n=8)
   assert [c.bytes for c in a2a] == [want] * 4, lowered.explain()
-  # dispatch and combine: the [E, G, C, M] tensor moves between G split and E split
-  g_split, e_split = ((), ("expert",), (), ()), (("expert",), (), (), ())
-  assert sorted((c.src.dims, c.dst.dims) for c in a2a) == sorted(
-      [(g_split, e_split)] * 2 + [(e_split, g_split)] * 2)
-  assert all(c.shape == (experts, groups, capacity, M_) for c in a2a)
+  # dispatch and combine, forward and backward: a tensor of the [E, G, C, M]
+  # volume (the backward may hold its dims in another order) moves between
+  # split on its G dim and split on its E dim, twice each way
+  def split_size(c, s):
+    (dim,) = [i for i, d in enumerate(s.dims) if d == ("expert",)]
+    return c.shape[dim]
+  moves = sorted((split_size(c, c.src), split_size(c, c.dst)) for c in a2a)
+  assert moves == sorted([(groups, experts)] * 2 + [(experts, groups)] * 2), moves
+  assert all(sorted(c.shape) == sorted((experts, groups, capacity, M_)) for c in a2a)
   assert not [c for c in cols if c.kind == "all_gather"], lowered.explain()
   assert not lowered.fallbacks
   # everything else is small: the gating and aux-loss reductions and the
