@@ -326,8 +326,10 @@ def _cls(x):
 
 
 def compare(prog: Program, got, want, get_oracle) -> list[Mismatch]:
-  """Mismatches of ``got`` against the one-device ``want``; [] when it passes."""
-  g_leaves, g_tree = jax.tree.flatten(got)
+  """Mismatches of ``got`` against the one-device ``want``; [] when it passes.
+  State split unevenly comes back a ``gshard.PaddedArray``: its logical value
+  is compared."""
+  g_leaves, g_tree = jax.tree.flatten(gshard.unpad(got))
   w_leaves, w_tree = jax.tree.flatten(want)
   if g_tree != w_tree:
     return [Mismatch("all", "tree", f"{g_tree} != {w_tree}")]

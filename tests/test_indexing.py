@@ -109,7 +109,8 @@ def test_embedding_gradient_scatter_adds_into_the_split_table(vocab):
   low = step.lower(table, tokens)
   local = (-(-vocab // MODEL), 16)
   scatters = [e for e in eqns_of(low.per_device_jaxpr()) if e.primitive.name == "scatter-add"]
-  assert scatters and all(e.outvars[0].aval.shape == local for e in scatters)
+  # each device's block and one trash row for the updates of the others' rows
+  assert scatters and all(e.outvars[0].aval.shape == (local[0] + 1, 16) for e in scatters)
   # the only collectives: the lookup's psum and the data-parallel sum of each
   # device's block of the gradient; the table itself never moves
   cols = low.collectives()
@@ -308,7 +309,7 @@ def test_decode_loop_writes_and_reads_the_cache():
   assert {c.kind for c in low.collectives()} <= {"psum"}
 
 
-# -- general scatters: the safe path ----------------------------------------------------
+# -- general scatters: each device writes its own rows ------------------------------------
 
 SCATTERS = [
     ("scatter", lambda a, i, v: a.at[i].set(v), [0, 5, 15, 4, 9]),           # unique
@@ -319,25 +320,27 @@ SCATTERS = [
 
 
 @pytest.mark.parametrize("prim,fn,idx", SCATTERS, ids=[s[0] for s in SCATTERS])
-def test_general_scatter_takes_the_safe_path(prim, fn, idx):
-  m = mesh(*M24)
-  x, v = rand(16, 8), rand(5, 8, seed=1)
-  idx = np.asarray(idx, np.int32)
-  assert prim in str(jax.make_jaxpr(fn)(x, idx, v))
-  step = gshard.partition(fn, m, in_specs=(P("model", "data"), None, None),
-                          out_specs=P("model", "data"))
-  with pytest.warns(gshard.PartitionWarning, match=rf"no partition rule for {prim} "):
-    out = step(x, idx, v)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(fn)(x, idx, v)))
-  assert_named_sharding(out, m, P("model", "data"))
-  low = step.lower(x, idx, v)
-  assert [p for p, _ in low.fallbacks] == [prim]
-  gathered = [c for c in low.collectives() if c.primitive == prim]
-  assert gathered and all(c.kind == "all_gather" and c.fallback for c in gathered)
-  assert "full rematerialisation" in low.explain()
-  strict = gshard.partition(fn, m, in_specs=(P("model", "data"), None, None), strict=True)
-  with pytest.raises(NotImplementedError, match=prim):
-    strict(x, idx, v)
+def test_general_scatter_writes_into_the_split_operand(prim, fn, idx):
+    """``.at[].set/max/min/mul`` into an operand split over ``model`` (rows)
+    and ``data`` (columns), indices and updates replicated: each device
+    applies the updates that land in its rows (the others go to a trash row
+    past its block, sliced off); no safe path, nothing moves, and
+    ``strict=True`` has nothing to refuse."""
+    m = mesh(*M24)
+    x, v = rand(16, 8), rand(5, 8, seed=1)
+    idx = np.asarray(idx, np.int32)
+    assert prim in str(jax.make_jaxpr(fn)(x, idx, v))
+    for strict in (False, True):
+      step = gshard.partition(fn, m, in_specs=(P("model", "data"), None, None),
+                              out_specs=P("model", "data"), strict=strict)
+      out = step(x, idx, v)
+      np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(fn)(x, idx, v)))
+      assert_named_sharding(out, m, P("model", "data"))
+    low = step.lower(x, idx, v)
+    assert not low.fallbacks
+    assert not [c for c in low.collectives() if c.primitive == prim], low.explain()
+    (scatter,) = [e for e in eqns_of(low.per_device_jaxpr()) if e.primitive.name == prim]
+    assert scatter.outvars[0].aval.shape == (16 // MODEL + 1, 8 // DATA)   # + the trash row
 
 
 def test_scatter_add_is_not_the_safe_path():
