@@ -101,7 +101,10 @@ def test_fsdp_step_declares_what_the_compiled_program_sends():
   line, the bytes of the sum): there the HLO count is lower while the bytes
   still agree. On this CPU build nothing is merged, so the counts are equal.
   Before one reshard per (value, layout) this step declared 20 collectives /
-  88039 B against the HLO's 18 / 79975 B."""
+  88039 B against the HLO's 18 / 79975 B. The exact counts and bytes pin
+  the layout choice: 18 / 79975 B before two-phase propagation (weight
+  gradients then take their update's layout), 13 / 61831 B with it, 12 /
+  60039 B once a contraction may also run in its result's layout (option (c))."""
   m = mesh((8,), ("data",))
   params, x, y = _fsdp_args()
   specs = [{"w": P("data", None), "b": P("data")} for _ in params]
@@ -116,10 +119,10 @@ def test_fsdp_step_declares_what_the_compiled_program_sends():
   declared = collections.Counter(names[c.kind] for c in cols)
   compiled = collections.Counter(h.kind for h in hlo)
   assert declared == compiled, low.explain()
-  assert declared == {"all-gather": 6, "all-to-all": 6, "reduce-scatter": 5, "all-reduce": 1}
+  assert declared == {"all-gather": 4, "all-to-all": 3, "reduce-scatter": 4, "all-reduce": 1}
   hlo_bytes = sum(h.bytes_sent for h in hlo)
   assert abs(low.total_bytes() - hlo_bytes) <= len(cols), (low.total_bytes(), hlo_bytes)
-  assert low.total_bytes() == 79975
+  assert low.total_bytes() == 60039
 
 
 # -- explain() groups ---------------------------------------------------------------
@@ -191,3 +194,34 @@ def test_plain_code_keeps_jaxs_format():
   line = line_of(_three_uses, "return jnp.tanh(a @ w)")
   assert col.source.startswith(os.path.abspath(__file__) + f":{line}:")
   assert col.source.endswith("(_three_uses)") and " via " not in col.source
+
+
+# -- explain(): why this collective and not another ------------------------------------
+
+def _row_parallel(x, w):
+  return gshard.replicate(gshard.split(x, 1, "model") @ gshard.split(w, 0, "model"))
+
+
+def test_explain_shows_each_contraction_option_with_its_bytes():
+  """Megatron's row-parallel matmul, ``x[16,64@model] @ w[64@model,32]``:
+  GShard's option (b) (contract locally, all-reduce the partial result:
+  ``2 (n-1)/n`` of the f32[16,32] result) is chosen over (c) (gather both
+  operands: ``(n-1)/n`` of each, 3x the bytes); the report prints both."""
+  m = mesh((2, 4), ("data", "model"))
+  x, w = rand(16, 64), rand(64, 32, seed=1)
+  step = gshard.partition(_row_parallel, m)
+  assert_trees_close(step(x, w), jax.jit(_row_parallel)(x, w))
+  low = step.lower(x, w)
+  [choice] = [c for c in low.choices() if c.primitive == "dot_general"]
+  n = 4
+  reduce_result = 2 * (n - 1) * (16 * 32 * 4) // n
+  gather_both = (n - 1) * (16 * 64 * 4 + 64 * 32 * 4) // n
+  by_label = {o.label[:3]: o for o in choice.options}
+  assert by_label["(b)"].chosen and by_label["(b)"].bytes == reduce_result, choice
+  assert by_label["(c)"].bytes == gather_both, choice
+  sent = sum(c.bytes for c in low.collectives() if c.primitive == "dot_general")
+  assert sent == choice.chosen.bytes
+  report = low.explain()
+  section = report.split("contractions:")[1]
+  assert "chosen" in section and "(c) reshard operands first" in section, report
+  assert "operand 0 all_gather[model]; operand 1 all_gather[model]" in section, report

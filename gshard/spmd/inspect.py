@@ -12,7 +12,7 @@ import collections
 
 import jax
 
-from gshard.spmd.partition.context import Collective
+from gshard.spmd.partition.context import Choice, Collective
 from gshard.spmd.sharding import TensorSharding, mesh_str
 
 
@@ -73,6 +73,13 @@ class Lowered:
     """Every collective of the per-device program, with its cause."""
     return list(self._program.recorder.collectives)
 
+  def choices(self) -> list[Choice]:
+    """How each contraction (dot_general, conv) runs per device and the
+    alternatives it was chosen among: GShard's options (a) compute where the
+    operands are and reshard the result, (b) contract the split dim and keep
+    a partial sum, (c) reshard an operand first; each with its bytes."""
+    return list(self._program.recorder.choices)
+
   @property
   def fallbacks(self) -> list[tuple[str, str]]:
     """(primitive, source line) of each equation that took the safe path."""
@@ -120,6 +127,7 @@ class Lowered:
         lines.append(f"              hint: {hint}")
     if len(ranked) > top:
       lines.append(f"  ... {len(ranked) - top} more")
+    lines += _choice_lines(self.choices(), top)
     if self.fallbacks:
       lines.append("")
       lines.append("safe path taken (operands gathered, computed replicated):")
@@ -163,6 +171,31 @@ class Compiled:
 
   def __getattr__(self, name):
     return getattr(self.compiled, name)
+
+
+def _choice_lines(choices: list[Choice], top: int) -> list[str]:
+  """The contractions that communicate, largest first: the option chosen and
+  what each alternative would have sent (why this collective, not another)."""
+  groups: dict[tuple, list[Choice]] = collections.defaultdict(list)
+  for c in choices:
+    groups[(c.primitive, c.signature, c.source, c.options)].append(c)
+  def sent(g, o):
+    return o.bytes * sum(c.repeat for c in g)
+  ranked = sorted(groups.values(), key=lambda g: -sent(g, g[0].chosen))
+  ranked = [g for g in ranked if any(o.bytes for o in g[0].options)]
+  if not ranked:
+    return []
+  lines = ["", "contractions: the option chosen, and what the others would send:"]
+  for g in ranked[:top]:
+    c = g[0]
+    times = f" x{len(g)}" if len(g) > 1 else ""
+    lines.append(f"  {c.primitive} {c.signature}{times} at {c.source}")
+    for o in sorted(c.options, key=lambda o: (not o.chosen, o.bytes)):
+      mark = "chosen" if o.chosen else ""
+      lines.append(f"    {mark:>6} {format_bytes(sent(g, o)):>10}  {o}")
+  if len(ranked) > top:
+    lines.append(f"  ... {len(ranked) - top} more")
+  return lines
 
 
 def _hint(c: Collective) -> str:

@@ -71,17 +71,45 @@ class Collective:
             f"at {self.source})")
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """How one contraction runs, and the alternatives it was chosen among.
+
+  Attributes:
+    primitive: ``dot_general`` or ``conv_general_dilated``.
+    source: the user's file:line.
+    signature: operand and result shapes, ``f32[8,128] x f32[128,512] -> f32[8,512]``.
+    options: each alternative (``label``, ``bytes`` per device, ``moves``,
+      ``chosen``), the chosen one among them.
+    repeat: how many times it runs per step (inside a loop of that many trips).
+  """
+
+  primitive: str
+  source: str
+  signature: str
+  options: tuple
+  repeat: int = 1
+
+  @property
+  def chosen(self):
+    """The option the partitioner ran."""
+    return next(o for o in self.options if o.chosen)
+
+
 @dataclasses.dataclass
 class Recorder:
-  """The collectives and safe-path fallbacks of one per-device program, in order."""
+  """The collectives, safe-path fallbacks and contraction choices of one
+  per-device program, in order."""
 
   collectives: list[Collective] = dataclasses.field(default_factory=list)
   fallbacks: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  choices: list[Choice] = dataclasses.field(default_factory=list)
 
   def clear(self) -> None:
     """Forget what was recorded (the body is traced again)."""
     self.collectives.clear()
     self.fallbacks.clear()
+    self.choices.clear()
 
 
 def evenize(s: TensorSharding, shape, mesh_sizes) -> TensorSharding:
@@ -187,6 +215,14 @@ class Context:
         kind, tuple(axes), int(nbytes) * self.repeat, eqn.primitive.name, role, src, dst,
         tuple(shape),
         str(dtype), self.source(eqn)))
+
+  def note_choice(self, eqn, options, ins: list[Value], results) -> None:
+    """Record how contraction ``eqn`` runs among ``options`` (for ``explain()``):
+    its operands as they arrive, its results as the chosen option makes them."""
+    sig = " x ".join(v.sharding.format(v.shape, v.dtype) for v in ins) + " -> " + ", ".join(
+        s.format(v.aval.shape, v.aval.dtype) for s, v in zip(results, eqn.outvars))
+    self.recorder.choices.append(Choice(eqn.primitive.name, self.source(eqn), sig,
+                                        tuple(options), self.repeat))
 
   def fallback(self, eqn, why: str, gathered: bool = True) -> None:
     """Report the safe path. ``gathered``: some operand is not replicated, so the

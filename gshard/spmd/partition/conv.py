@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import factor_rule_of, reduction_identity
+from gshard.spmd.partition.generic import factor_rule_of, note_options, reduction_identity
 from gshard.spmd.partition.halo import (Halo, blocked_reason, check_shape, dilate, halo_plan,
                                         haloed, plan_with_halos, role_with)
 
@@ -85,6 +85,7 @@ def conv_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   factors = {d: rule.operands[0][d][0] for d in lhs_spec[2:]}
   plan, kept, notes = plan_with_halos(ctx, eqn, ins, scope, factors,
                                        lambda d, n: _conv_geometry(eqn, rule, d, n))
+  note_options(ctx, eqn, plan, ins)
   lhs = ctx.reshard(ins[0], plan.operands[0], eqn, role_with("operand 0", notes))
   rhs = ctx.reshard(ins[1], plan.operands[1], eqn, role_with("operand 1", notes))
   x = lhs.x

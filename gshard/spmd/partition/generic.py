@@ -29,13 +29,38 @@ from gshard.spmd.sharding import TensorSharding, fit_axes
 
 
 @dataclasses.dataclass(frozen=True)
+class Option:
+  """One way to run a contraction per device, and what it sends.
+
+  Attributes:
+    label: GShard's name for it: ``(a) compute where the operands are``,
+      ``(b) contract the split dim, partial sum`` or ``(c) reshard operands
+      first``.
+    bytes: bytes per device of its reshards (operands in, results out).
+    moves: ``(role, collective kinds and axes)`` of each tensor it reshards.
+    chosen: whether the partitioner ran this one.
+  """
+
+  label: str
+  bytes: int
+  moves: tuple[tuple[str, str], ...]
+  chosen: bool = False
+
+  def __str__(self) -> str:
+    what = "; ".join(f"{r} {m}" for r, m in self.moves) or "no communication"
+    return f"{self.label}: {what}"
+
+
+@dataclasses.dataclass(frozen=True)
 class LocalPlan:
-  """How one equation runs per device."""
+  """How one equation runs per device (``options``: a contraction's
+  alternatives with their bytes, for ``explain()``)."""
 
   rule: FactorRule
   choice: dict[str, tuple[str, ...]]
   operands: list[TensorSharding | None]   # None for literals
   results: list[TensorSharding]
+  options: tuple[Option, ...] = ()
 
 
 def factor_rule_of(eqn) -> FactorRule:
@@ -90,7 +115,7 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   out = tuple(_Out(None if type(var).__name__ == "DropVar" else ctx.target(scope, var),
                    tuple(var.aval.shape), var.aval.dtype) for var in eqn.outvars)
   key = (rule, in_, operands, results, out, frozenset(blocked), bool(allow_other_reduction),
-         tuple(ctx.mesh_sizes.items()))
+         eqn.primitive.name in CONTRACTIONS, tuple(ctx.mesh_sizes.items()))
   try:
     hash(key)
   except TypeError:          # a dtype jax cannot hash: plan it anew
@@ -104,16 +129,62 @@ def _plan_memo(*key) -> LocalPlan:
 
 
 def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_reduction,
-          mesh_items) -> LocalPlan:
+          contraction, mesh_items) -> LocalPlan:
   mesh = dict(mesh_items)
   candidates = [factors.solve(rule, operands, results, mesh)]
   if any(r is not None for r in results):
     candidates.append(factors.solve(rule, operands, [None] * len(results), mesh))
+    if contraction:   # also in the result's layout, operands moved first
+      candidates.append(factors.solve(rule, [None] * len(operands), results, mesh))
   plans = [_plan_for(mesh, ins, rule, c, blocked, allow_other_reduction) for c in candidates]
   if len(plans) == 1:
     return plans[0]
   costs = [_plan_cost(mesh, ins, outs, p) for p in plans]
-  return plans[costs.index(min(costs))]
+  best = costs.index(min(costs))
+  if not contraction:
+    return plans[best]
+  options, seen = [], set()
+  for k, p in enumerate(plans):
+    key = (tuple(p.operands), tuple(p.results))
+    if key not in seen and costs[k] < _INFEASIBLE:
+      seen.add(key)
+      options.append(_option(mesh, ins, outs, p, costs[k], k == best))
+  return dataclasses.replace(plans[best], options=tuple(options))
+
+
+def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> None:
+  """Record a contraction's alternatives, when it had any, for ``explain()``."""
+  if len(plan.options) > 1:
+    ctx.note_choice(eqn, plan.options, ins, plan.results)
+
+
+def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool) -> Option:
+  """``plan`` described as one of GShard's einsum options."""
+  moves = []
+  pairs = [(f"operand {j}", v.sharding, s, v) for j, (v, s) in enumerate(zip(ins, plan.operands))
+           if s is not None and v.sharding != s]
+  pairs += [(f"result {j}", s, o.target, o) for j, (o, s) in enumerate(zip(outs, plan.results))
+            if o.target is not None and o.target != s]
+  for role, src, dst, t in pairs:
+    try:
+      steps = reshard.plan_reshard(src, dst, t.shape, t.dtype, mesh).collectives
+    except ValueError:
+      continue
+    if steps:
+      moves.append((role, " + ".join(f"{x.kind}[{','.join(x.axes)}]" for x in steps)))
+  if any(plan.choice.get(f) for f in plan.rule.reduction):
+    label = "(b) contract the split dim, partial sum"
+  elif any(role.startswith("operand") for role, _ in moves):
+    label = "(c) reshard operands first"
+  else:
+    label = "(a) compute where the operands are"
+  return Option(label, cost, tuple(moves), chosen)
+
+
+_INFEASIBLE = 1 << 62
+# Sums over a factor two operands share, where GShard's three einsum options
+# apply (a gather's sum factor is a masked lookup: its table never moves).
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
@@ -127,7 +198,7 @@ def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
       try:
         total += reshard.plan_reshard(s, o.target, o.shape, o.dtype, mesh).bytes_per_device
       except ValueError:   # would need to create a partial sum: not a candidate
-        return 1 << 62
+        return _INFEASIBLE
   return total
 
 
@@ -304,6 +375,7 @@ def mask_padding(ctx: Context, eqn, plan: LocalPlan, xs: list) -> list:
 def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> list[Value]:
   """Reshard ``ins`` to ``plan``'s operands, mask padding, bind the primitive on
   local values with local shape params; the results' values (shapes checked)."""
+  note_options(ctx, eqn, plan, ins)
   xs = []
   for j, (v, s) in enumerate(zip(ins, plan.operands)):
     if s is None:
