@@ -1,0 +1,201 @@
+"""A schedule's table as the executor's static per-tick arrays.
+
+The executor (``gshard.pipeline.executor``) runs a table tick by tick in one
+``lax.scan``; everything it needs to know about a tick is read here from the
+table, once, as small numpy arrays (the scan's inputs):
+
+- which *phases* run (``pattern``): the kinds of action in the tick (``F``,
+  ``B``, ``W``), plus ``H`` (the loss head) when the last virtual stage runs a
+  forward in it; a tick runs one branch of a ``lax.switch`` over the distinct
+  patterns, so a phase that no stage needs in a tick costs nothing;
+- per stage, each kind's action: on or off, its chunk, and whether it is the
+  first virtual stage (F reads ``x``, B writes ``dx``);
+- slots. Values wait on a device between the tick that makes them and the
+  tick that uses them, in four pools of numbered slots:
+
+  ======  ===================================  ==========================
+  pool    holds                                from .. to
+  ======  ===================================  ==========================
+  act     an activation sent by the previous   its arrival .. its F
+          virtual stage
+  grad    a cotangent sent by the next         its arrival (or the loss
+          virtual stage (or the loss head's)   head) .. its B
+  stash   what B needs of an F (residuals, or  F .. B
+          the input under ``remat=True``)
+  keep    what W needs of a B (split only)     B .. W
+  ======  ===================================  ==========================
+
+  Slots are handed out by interval colouring (first free slot, in time
+  order), so a pool has exactly as many slots as values ever wait in it at
+  once on one device; ``-1`` means "no slot" (nothing read or written).
+
+Within a tick the phases run F, H, B, W; in each, slots are read before
+arrivals are written, so a slot read in a phase can take an arrival in the
+same phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from gshard.pipeline.actions import placement
+from gshard.pipeline.schedules import Schedule
+
+PHASES = ("F", "H", "B", "W")
+# (tick, order) of each read / write: reads of a phase before its writes.
+_ORDER = {"F-read": 0, "F-write": 1, "H-write": 2, "B-read": 3, "B-write": 4, "W-read": 5}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  """The static arrays of one schedule (module docstring). ``[T]`` arrays are
+  the same on every stage; ``[T, K]`` arrays have one entry per stage."""
+
+  num_ticks: int
+  num_stages: int
+  num_microbatches: int
+  repeats: int
+  split: bool
+  patterns: tuple[tuple[str, ...], ...]   # distinct phase sets, branch order
+  pattern: np.ndarray                     # [T] branch of each tick
+  slots: dict                             # pool -> number of slots
+  f_on: np.ndarray
+  f_chunk: np.ndarray
+  f_first: np.ndarray                     # [T, K]: u == 0 (reads x)
+  f_read: np.ndarray                      # [T, K] act slot read
+  f_stash: np.ndarray                     # [T, K] stash slot written
+  f_arrive: np.ndarray                    # [T, K] act slot the received value goes to
+  m_x: np.ndarray                         # [T] micro-batch of x read
+  h_slot: np.ndarray                      # [T] grad slot of the loss cotangent (last stage)
+  m_head: np.ndarray                      # [T] micro-batch of the targets read
+  b_on: np.ndarray
+  b_chunk: np.ndarray
+  b_first: np.ndarray                     # [T, K]: u == 0 (writes dx)
+  b_read: np.ndarray                      # [T, K] grad slot read
+  b_stash: np.ndarray                     # [T, K] stash slot read
+  b_keep: np.ndarray                      # [T, K] keep slot written (split)
+  b_arrive: np.ndarray                    # [T, K] grad slot the received value goes to
+  m_dx: np.ndarray                        # [T] micro-batch of dx written
+  w_on: np.ndarray
+  w_chunk: np.ndarray
+  w_read: np.ndarray                      # [T, K] keep slot read
+
+  def count(self, phase: str) -> int:
+    """Ticks that run ``phase`` (``"F"``, ``"H"``, ``"B"`` or ``"W"``)."""
+    return int(sum(phase in self.patterns[p] for p in self.pattern))
+
+
+class _Pool:
+  """Per-stage interval colouring of one pool's slots."""
+
+  def __init__(self, num_stages: int):
+    self.intervals = [[] for _ in range(num_stages)]   # (start, end, key)
+
+  def add(self, stage: int, start: tuple, end: tuple, key) -> None:
+    if not start < end:
+      raise AssertionError(f"gshard internal error: a value of {key} is used at {end} "
+                           f"before it is made at {start}.")
+    self.intervals[stage].append((start, end, key))
+
+  def colour(self) -> tuple[dict, int]:
+    """(stage, key) -> slot, and the number of slots."""
+    slot_of, most = {}, 0
+    for s, intervals in enumerate(self.intervals):
+      busy_until: list[tuple] = []     # per slot: end of its current interval
+      for start, end, key in sorted(intervals, key=lambda i: i[0]):
+        free = [i for i, until in enumerate(busy_until) if until < start]
+        if free:
+          slot = free[0]
+          busy_until[slot] = end
+        else:
+          slot = len(busy_until)
+          busy_until.append(end)
+        slot_of[s, key] = slot
+      most = max(most, len(busy_until))
+    return slot_of, most
+
+
+def _at(tick: int, what: str) -> tuple:
+  return (tick, _ORDER[what])
+
+
+@functools.lru_cache(maxsize=64)
+def plan(sched: Schedule) -> Plan:
+  """The executor's arrays for ``sched`` (cached per schedule)."""
+  k, m, v = sched.num_stages, sched.num_microbatches, sched.repeats
+  num_virtual = k * v
+  t_len = sched.num_ticks
+  where = {}
+  for t, row in enumerate(sched.table):
+    for s, a in enumerate(row):
+      if a is not None:
+        where[a.kind, a.microbatch, a.chunk * k + s] = t
+  pools = {name: _Pool(k) for name in ("act", "grad", "stash", "keep")}
+  for (kind, mb, u), t in where.items():
+    s = u % k
+    if kind == "F":
+      if u + 1 < num_virtual:
+        pools["act"].add((u + 1) % k, _at(t, "F-write"), _at(where["F", mb, u + 1], "F-read"),
+                         (mb, u + 1))
+      else:
+        pools["grad"].add(s, _at(t, "H-write"), _at(where["B", mb, u], "B-read"), (mb, u))
+      pools["stash"].add(s, _at(t, "F-write"), _at(where["B", mb, u], "B-read"), (mb, u))
+    elif kind == "B":
+      if u > 0:
+        pools["grad"].add((u - 1) % k, _at(t, "B-write"), _at(where["B", mb, u - 1], "B-read"),
+                          (mb, u - 1))
+      if sched.split:
+        pools["keep"].add(s, _at(t, "B-write"), _at(where["W", mb, u], "W-read"), (mb, u))
+  slots = {}
+  slot_of = {}
+  for name, pool in pools.items():
+    slot_of[name], slots[name] = pool.colour()
+
+  def grid(dtype, fill):
+    return np.full((t_len, k), fill, dtype)
+
+  arrays = {name: grid(bool, False) for name in ("f_on", "f_first", "b_on", "b_first", "w_on")}
+  arrays.update({name: grid(np.int32, 0) for name in ("f_chunk", "b_chunk", "w_chunk")})
+  arrays.update({name: grid(np.int32, -1) for name in
+                 ("f_read", "f_stash", "f_arrive", "b_read", "b_stash", "b_keep", "b_arrive",
+                  "w_read")})
+  m_x, m_head, m_dx = (np.zeros(t_len, np.int32) for _ in range(3))
+  h_slot = np.full(t_len, -1, np.int32)
+  phases = [set() for _ in range(t_len)]
+  for (kind, mb, u), t in where.items():
+    s, c = placement(u, k)
+    phases[t].add(kind)
+    if kind == "F":
+      arrays["f_on"][t, s], arrays["f_chunk"][t, s] = True, c
+      arrays["f_stash"][t, s] = slot_of["stash"][s, (mb, u)]
+      if u == 0:
+        arrays["f_first"][t, s], m_x[t] = True, mb
+      else:
+        arrays["f_read"][t, s] = slot_of["act"][s, (mb, u)]
+      if u + 1 < num_virtual:
+        arrays["f_arrive"][t, (u + 1) % k] = slot_of["act"][(u + 1) % k, (mb, u + 1)]
+      else:
+        phases[t].add("H")
+        h_slot[t], m_head[t] = slot_of["grad"][s, (mb, u)], mb
+    elif kind == "B":
+      arrays["b_on"][t, s], arrays["b_chunk"][t, s] = True, c
+      arrays["b_read"][t, s] = slot_of["grad"][s, (mb, u)]
+      arrays["b_stash"][t, s] = slot_of["stash"][s, (mb, u)]
+      if sched.split:
+        arrays["b_keep"][t, s] = slot_of["keep"][s, (mb, u)]
+      if u == 0:
+        arrays["b_first"][t, s], m_dx[t] = True, mb
+      else:
+        arrays["b_arrive"][t, (u - 1) % k] = slot_of["grad"][(u - 1) % k, (mb, u - 1)]
+    else:
+      arrays["w_on"][t, s], arrays["w_chunk"][t, s] = True, c
+      arrays["w_read"][t, s] = slot_of["keep"][s, (mb, u)]
+  keyed = [tuple(p for p in PHASES if p in ph) for ph in phases]
+  patterns = tuple(dict.fromkeys(keyed))
+  pattern = np.array([patterns.index(p) for p in keyed], np.int32)
+  return Plan(num_ticks=t_len, num_stages=k, num_microbatches=m, repeats=v,
+              split=sched.split, patterns=patterns, pattern=pattern, slots=slots,
+              m_x=m_x, h_slot=h_slot, m_head=m_head, m_dx=m_dx, **arrays)
