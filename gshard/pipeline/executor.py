@@ -10,9 +10,11 @@ forward reaches the last stage), users still write ``jax.value_and_grad``, and
 a call without differentiation runs only the forward (GPipe's forward loop
 and the loss).
 
-One ``lax.scan`` over the table's ticks. Each tick runs one branch of a
-``lax.switch``: the phases the tick needs, in the order F, H, B, W
-(``gshard.pipeline.plan``). Every phase runs on every stage at once, as
+One ``lax.scan`` over the table's ticks. Each tick runs the phases F, H, B, W
+in that order (``gshard.pipeline.plan``), each inside a ``lax.cond`` that skips
+it in the ticks where no stage has it; the slot writes (one in-place
+``dynamic_update_slice`` per phase) and the running sums are outside the
+conditionals, masked per stage. Every phase runs on every stage at once, as
 ``jax.vmap(..., spmd_axis_name=stage_axis)`` over a ``[K, ...]`` dim split
 over the stage axis (so annotations in ``layer_fn`` keep working), with each
 stage's own inputs picked by the plan's per-stage slots; a stage with another
@@ -238,26 +240,26 @@ def _add(acc, g):
 # -- slots ---------------------------------------------------------------------------
 
 def _read(buf, slot, kdim: int):
-  """Each stage's slot ``slot[s]`` of ``buf`` (``[n, ..., K at kdim, ...]``);
-  zeros where ``slot`` is -1."""
+  """Each stage's slot ``slot[s]`` of ``buf`` (``[n, ..., K at kdim, ...]``): a
+  per-stage ``dynamic_slice`` (local: the slot dim is not split). Where
+  ``slot`` is -1 it reads slot 0, which the caller never uses."""
+  index = jnp.maximum(slot, 0)
+
   def one(b):
-    hit = jnp.arange(b.shape[0])[:, None] == slot[None, :]          # [n, K]
-    hit = jnp.reshape(hit, (b.shape[0],) + (1,) * (kdim - 1) + (hit.shape[1],)
-                      + (1,) * (b.ndim - kdim - 1))
-    if b.dtype == jnp.bool_:
-      return jnp.any(hit & b, axis=0)
-    return jnp.sum(jnp.where(hit, b, jnp.zeros((), b.dtype)), axis=0)
+    return jax.vmap(lambda bb, i: lax.dynamic_index_in_dim(bb, i, 0, keepdims=False),
+                    in_axes=(kdim, 0), out_axes=kdim - 1)(b, index)
   return jax.tree.map(one, buf)
 
 
-def _write(buf, slot, value, kdim: int):
-  """``value`` (``buf`` without its slot dim) into each stage's slot ``slot[s]``
-  (no write where -1)."""
+def _write(buf, slot, value, on, kdim: int):
+  """``value`` (``buf`` without its slot dim) into slot ``slot`` (one number for
+  every stage: one in-place ``dynamic_update_slice``) on the stages where ``on``
+  (``[K]``; the others keep what the slot held); nothing where ``slot`` is -1."""
   def one(b, v):
-    hit = jnp.arange(b.shape[0])[:, None] == slot[None, :]
-    hit = jnp.reshape(hit, (b.shape[0],) + (1,) * (kdim - 1) + (hit.shape[1],)
-                      + (1,) * (b.ndim - kdim - 1))
-    return jnp.where(hit, v[None].astype(b.dtype), b)
+    index = jnp.maximum(slot, 0)
+    old = lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
+    new = jnp.where(mask(on & (slot >= 0), old, kdim - 1), v.astype(b.dtype), old)
+    return lax.dynamic_update_index_in_dim(b, new, index, 0)
   return jax.tree.map(one, buf, value)
 
 
@@ -329,24 +331,25 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
     st["sgrad"] = jax.tree.map(
         lambda acc, g: acc + jnp.where(mask(on, g), g, 0).astype(acc.dtype), st["sgrad"], ds)
 
-  def phase_f(st, xt):
+  # Each phase computes from read-only inputs inside a lax.cond (skipped in the
+  # ticks that do not need it); the slot writes and running sums happen outside,
+  # masked by the plan, so no large buffer passes through a conditional.
+  def compute_f(act, xt):
     x_t = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, xt["m_x"], 0, keepdims=False),
                        micro_x)
-    recv = _read(st["act"], xt["f_read"], 1)
+    recv = _read(act, xt["f_read"], 1)
     take = xt["f_on"] & ~xt["f_first"]
-    h = jax.tree.map(lambda r, a: jnp.where(mask(take, r), r, a[None]), recv, x_t)
-    h = on_stages(h, axis)
+    h = on_stages(jax.tree.map(lambda r, a: jnp.where(mask(take, r), r, a[None]), recv, x_t),
+                  axis)
     w = pick(xt["f_chunk"])
     if remat_all:
       y, kept = stage.primal(w, h), h
     else:
       y, kept = stage.forward(w, h)
-    st["stash"] = _write(st["stash"], xt["f_stash"], kept, stash_kdim)
-    sent = jax.tree.map(lambda a: shift(a, 0, 1, circular=v > 1), y)
-    st["act"] = _write(st["act"], xt["f_arrive"], on_stages(sent, axis), 1)
-    return y
+    sent = on_stages(jax.tree.map(lambda a: shift(a, 0, 1, circular=v > 1), y), axis)
+    return y, kept, sent
 
-  def phase_h(st, xt, y):
+  def compute_h(y, xt):
     t_t = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, xt["m_head"], 0, keepdims=False),
                        micro_t)
     diff_t, rebuild_t = _split_float(t_t)
@@ -358,62 +361,71 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
       return (loss,) + vjp(jnp.asarray(1.0 / m, loss.dtype))
     loss, dlp, dy, dt = jax.vmap(one, in_axes=(None, 0, None), spmd_axis_name=axis)(
         lp, y, diff_t)
-    st["loss"] = st["loss"] + jnp.where(last, loss, 0).astype(jnp.float32)
-    st["lgrad"] = jax.tree.map(
-        lambda acc, g: acc + jnp.where(mask(last, g), g, 0).astype(acc.dtype), st["lgrad"], dlp)
-    st["grad"] = _write(st["grad"], jnp.where(last, xt["h_slot"], -1), on_stages(dy, axis), 1)
-    st["dt"] = jax.tree.map(lambda acc, g: _put(acc, g, last, xt["m_head"], add=True),
-                            st["dt"], dt)
+    return loss.astype(jnp.float32), dlp, on_stages(dy, axis), dt
 
-  def phase_b(st, xt):
-    ct = _read(st["grad"], xt["b_read"], 1)
+  def compute_b(grad, stash, xt):
+    ct = _read(grad, xt["b_read"], 1)
     w = pick(xt["b_chunk"])
-    saved = _read(st["stash"], xt["b_stash"], stash_kdim)
+    saved = _read(stash, xt["b_stash"], stash_kdim)
     if remat_all:
       _, saved = stage.forward(w, saved)
     if p.split:
-      dh, kept = stage.input_grad(w, saved, ct)
-      st["keep"] = _write(st["keep"], xt["b_keep"], kept, 2)
+      dh, out = stage.input_grad(w, saved, ct)
     else:
       dh, dw, ds = stage.backward(w, saved, ct, k)
-      accumulate(st, dw, ds, xt["b_on"], xt["b_chunk"])
-    st["dx"] = jax.tree.map(lambda acc, g: _put(acc, g, xt["b_first"], xt["m_dx"]),
-                            st["dx"], dh)
-    sent = jax.tree.map(lambda a: shift(a, 0, -1, circular=v > 1), dh)
-    st["grad"] = _write(st["grad"], xt["b_arrive"], on_stages(sent, axis), 1)
+      out = (dw, ds)
+    sent = on_stages(jax.tree.map(lambda a: shift(a, 0, -1, circular=v > 1), dh), axis)
+    return dh, out, sent
 
-  def phase_w(st, xt):
-    kept = _read(st["keep"], xt["w_read"], 2)
-    dw, ds = stage.weight_grad(pick(xt["w_chunk"]), kept, k)
-    accumulate(st, dw, ds, xt["w_on"], xt["w_chunk"])
+  def compute_w(keep, xt):
+    return stage.weight_grad(pick(xt["w_chunk"]), _read(keep, xt["w_read"], 2), k)
 
-  def branch(phases):
-    def run(st, xt):
-      st = dict(st)
-      st["wgrad"] = list(st["wgrad"])
-      y = phase_f(st, xt) if "F" in phases else None
-      if "H" in phases:
-        phase_h(st, xt, y)
-      if "B" in phases:
-        phase_b(st, xt)
-      if "W" in phases:
-        phase_w(st, xt)
-      return st
-    return run
+  def when(run, fn, *args):
+    """``fn(*args)`` in the ticks where ``run``, zeros of its results elsewhere."""
+    out = jax.eval_shape(fn, *args)
+    zeros = lambda *_: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out)
+    return lax.cond(run, fn, zeros, *args)
 
-  branches = [branch(ph) for ph in p.patterns]
-  names = ("f_on", "f_chunk", "f_first", "f_read", "f_stash", "f_arrive", "m_x", "h_slot",
-           "m_head", "b_on", "b_chunk", "b_first", "b_read", "b_stash", "b_keep", "b_arrive",
-           "m_dx", "w_on", "w_chunk", "w_read")
+  has = {ph: any(ph in pat for pat in p.patterns) for ph in ("F", "H", "B", "W")}
+  runs = {ph: np.array([ph in p.patterns[i] for i in p.pattern]) for ph in has}
+
+  def tick(st, xt):
+    st = dict(st)
+    st["wgrad"] = list(st["wgrad"])
+    y = None
+    if has["F"]:
+      y, kept, sent = when(xt["run_F"], compute_f, st["act"], xt)
+      st["stash"] = _write(st["stash"], xt["f_stash"], kept, xt["f_on"], stash_kdim)
+      st["act"] = _write(st["act"], xt["f_arrive"], sent, xt["f_into"], 1)
+    if has["H"]:
+      loss, dlp, dy, dt = when(xt["run_H"], compute_h, y, xt)
+      st["loss"] = st["loss"] + jnp.where(last, loss, 0)
+      st["lgrad"] = jax.tree.map(
+          lambda acc, g: acc + jnp.where(mask(last, g), g, 0).astype(acc.dtype),
+          st["lgrad"], dlp)
+      st["grad"] = _write(st["grad"], xt["h_slot"], dy, jnp.asarray(last), 1)
+      st["dt"] = jax.tree.map(lambda acc, g: _put(acc, g, last, xt["m_head"], add=True),
+                              st["dt"], dt)
+    if has["B"]:
+      dh, out, sent = when(xt["run_B"], compute_b, st["grad"], st["stash"], xt)
+      if p.split:
+        st["keep"] = _write(st["keep"], xt["b_keep"], out, xt["b_on"], 2)
+      else:
+        accumulate(st, *out, xt["b_on"], xt["b_chunk"])
+      st["dx"] = jax.tree.map(lambda acc, g: _put(acc, g, xt["b_first"], xt["m_dx"]),
+                              st["dx"], dh)
+      st["grad"] = _write(st["grad"], xt["b_arrive"], sent, xt["b_into"], 1)
+    if has["W"]:
+      dw, ds = when(xt["run_W"], compute_w, st["keep"], xt)
+      accumulate(st, dw, ds, xt["w_on"], xt["w_chunk"])
+    return st, None
+
+  names = ("f_on", "f_chunk", "f_first", "f_read", "f_stash", "f_arrive", "f_into", "m_x",
+           "h_slot", "m_head", "b_on", "b_chunk", "b_first", "b_read", "b_stash", "b_keep",
+           "b_arrive", "b_into", "m_dx", "w_on", "w_chunk", "w_read")
   xs = {n: getattr(p, n) for n in names}
-
-  def tick(st, t_xs):
-    which, xt = t_xs
-    if len(branches) == 1:
-      return branches[0](st, xt), None
-    return lax.switch(which, branches, st, xt), None
-
-  st, _ = lax.scan(tick, state, (p.pattern, xs))
+  xs.update({f"run_{ph}": r for ph, r in runs.items()})
+  st, _ = lax.scan(tick, state, xs)
   loss = jnp.sum(st["loss"]) / m
   d_stacked = tree.unflatten([
       from_stage_major([jax.tree.leaves(st["wgrad"][c])[i] for c in range(v)], layout, axis)

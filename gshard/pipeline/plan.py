@@ -25,9 +25,12 @@ table, once, as small numpy arrays (the scan's inputs):
   keep    what W needs of a B (split only)     B .. W
   ======  ===================================  ==========================
 
-  Slots are handed out by interval colouring (first free slot, in time
-  order), so a pool has exactly as many slots as values ever wait in it at
-  once on one device; ``-1`` means "no slot" (nothing read or written).
+  Every write (one phase of one tick) takes one slot number for all the
+  stages it writes on, the lowest that is free on each of them, so the
+  executor writes it with one in-place ``dynamic_update_slice``; reads pick
+  each stage's own slot. For the built-in schedules a pool then has exactly
+  as many slots as values ever wait in it at once on one device (the tests
+  check it); ``-1`` means "no slot" (nothing read or written).
 
 Within a tick the phases run F, H, B, W; in each, slots are read before
 arrivals are written, so a slot read in a phase can take an arrival in the
@@ -66,8 +69,9 @@ class Plan:
   f_chunk: np.ndarray
   f_first: np.ndarray                     # [T, K]: u == 0 (reads x)
   f_read: np.ndarray                      # [T, K] act slot read
-  f_stash: np.ndarray                     # [T, K] stash slot written
-  f_arrive: np.ndarray                    # [T, K] act slot the received value goes to
+  f_stash: np.ndarray                     # [T] stash slot written (where f_on)
+  f_arrive: np.ndarray                    # [T] act slot a received activation goes to
+  f_into: np.ndarray                      # [T, K] the stage receives one
   m_x: np.ndarray                         # [T] micro-batch of x read
   h_slot: np.ndarray                      # [T] grad slot of the loss cotangent (last stage)
   m_head: np.ndarray                      # [T] micro-batch of the targets read
@@ -76,8 +80,9 @@ class Plan:
   b_first: np.ndarray                     # [T, K]: u == 0 (writes dx)
   b_read: np.ndarray                      # [T, K] grad slot read
   b_stash: np.ndarray                     # [T, K] stash slot read
-  b_keep: np.ndarray                      # [T, K] keep slot written (split)
-  b_arrive: np.ndarray                    # [T, K] grad slot the received value goes to
+  b_keep: np.ndarray                      # [T] keep slot written (split; where b_on)
+  b_arrive: np.ndarray                    # [T] grad slot a received cotangent goes to
+  b_into: np.ndarray                      # [T, K] the stage receives one
   m_dx: np.ndarray                        # [T] micro-batch of dx written
   w_on: np.ndarray
   w_chunk: np.ndarray
@@ -89,33 +94,37 @@ class Plan:
 
 
 class _Pool:
-  """Per-stage interval colouring of one pool's slots."""
+  """One pool's slots: every write event (a tick's phase) takes one slot number
+  for all the stages it writes on, the lowest free on each of them, so the
+  executor writes with one ``dynamic_update_slice`` per event (in place)."""
 
-  def __init__(self, num_stages: int):
-    self.intervals = [[] for _ in range(num_stages)]   # (start, end, key)
+  def __init__(self):
+    self.events: dict[tuple, list] = {}     # write time -> [(stage, end, key)]
 
   def add(self, stage: int, start: tuple, end: tuple, key) -> None:
     if not start < end:
       raise AssertionError(f"gshard internal error: a value of {key} is used at {end} "
                            f"before it is made at {start}.")
-    self.intervals[stage].append((start, end, key))
+    self.events.setdefault(start, []).append((stage, end, key))
 
-  def colour(self) -> tuple[dict, int]:
-    """(stage, key) -> slot, and the number of slots."""
-    slot_of, most = {}, 0
-    for s, intervals in enumerate(self.intervals):
-      busy_until: list[tuple] = []     # per slot: end of its current interval
-      for start, end, key in sorted(intervals, key=lambda i: i[0]):
-        free = [i for i, until in enumerate(busy_until) if until < start]
-        if free:
-          slot = free[0]
-          busy_until[slot] = end
-        else:
-          slot = len(busy_until)
-          busy_until.append(end)
+  def colour(self) -> tuple[dict, dict, int]:
+    """((stage, key) -> slot, write time -> slot, number of slots)."""
+    busy: dict[int, list] = {}               # stage -> per slot: end of its value
+    slot_of, event_slot, most = {}, {}, 0
+    for start in sorted(self.events):
+      writes = self.events[start]
+      slot = 0
+      while any(slot < len(busy.get(s, ())) and not busy[s][slot] < start
+                for s, _, _ in writes):
+        slot += 1
+      for s, end, key in writes:
+        ends = busy.setdefault(s, [])
+        ends.extend([(-1, 0)] * (slot + 1 - len(ends)))
+        ends[slot] = end
         slot_of[s, key] = slot
-      most = max(most, len(busy_until))
-    return slot_of, most
+      event_slot[start] = slot
+      most = max(most, slot + 1)
+    return slot_of, event_slot, most
 
 
 def _at(tick: int, what: str) -> tuple:
@@ -133,7 +142,7 @@ def plan(sched: Schedule) -> Plan:
     for s, a in enumerate(row):
       if a is not None:
         where[a.kind, a.microbatch, a.chunk * k + s] = t
-  pools = {name: _Pool(k) for name in ("act", "grad", "stash", "keep")}
+  pools = {name: _Pool() for name in ("act", "grad", "stash", "keep")}
   for (kind, mb, u), t in where.items():
     s = u % k
     if kind == "F":
@@ -149,53 +158,56 @@ def plan(sched: Schedule) -> Plan:
                           (mb, u - 1))
       if sched.split:
         pools["keep"].add(s, _at(t, "B-write"), _at(where["W", mb, u], "W-read"), (mb, u))
-  slots = {}
-  slot_of = {}
+  slots, slot_of, event_slot = {}, {}, {}
   for name, pool in pools.items():
-    slot_of[name], slots[name] = pool.colour()
+    slot_of[name], event_slot[name], slots[name] = pool.colour()
+
+  def written(pool: str, t: int, what: str) -> int:
+    return event_slot[pool].get(_at(t, what), -1)
 
   def grid(dtype, fill):
     return np.full((t_len, k), fill, dtype)
 
   arrays = {name: grid(bool, False) for name in ("f_on", "f_first", "b_on", "b_first", "w_on")}
   arrays.update({name: grid(np.int32, 0) for name in ("f_chunk", "b_chunk", "w_chunk")})
-  arrays.update({name: grid(np.int32, -1) for name in
-                 ("f_read", "f_stash", "f_arrive", "b_read", "b_stash", "b_keep", "b_arrive",
-                  "w_read")})
+  arrays.update({name: grid(bool, False) for name in ("f_into", "b_into")})
+  arrays.update({name: grid(np.int32, -1) for name in ("f_read", "b_read", "b_stash", "w_read")})
   m_x, m_head, m_dx = (np.zeros(t_len, np.int32) for _ in range(3))
-  h_slot = np.full(t_len, -1, np.int32)
   phases = [set() for _ in range(t_len)]
   for (kind, mb, u), t in where.items():
     s, c = placement(u, k)
     phases[t].add(kind)
     if kind == "F":
       arrays["f_on"][t, s], arrays["f_chunk"][t, s] = True, c
-      arrays["f_stash"][t, s] = slot_of["stash"][s, (mb, u)]
       if u == 0:
         arrays["f_first"][t, s], m_x[t] = True, mb
       else:
         arrays["f_read"][t, s] = slot_of["act"][s, (mb, u)]
       if u + 1 < num_virtual:
-        arrays["f_arrive"][t, (u + 1) % k] = slot_of["act"][(u + 1) % k, (mb, u + 1)]
+        arrays["f_into"][t, (u + 1) % k] = True
       else:
         phases[t].add("H")
-        h_slot[t], m_head[t] = slot_of["grad"][s, (mb, u)], mb
+        m_head[t] = mb
     elif kind == "B":
       arrays["b_on"][t, s], arrays["b_chunk"][t, s] = True, c
       arrays["b_read"][t, s] = slot_of["grad"][s, (mb, u)]
       arrays["b_stash"][t, s] = slot_of["stash"][s, (mb, u)]
-      if sched.split:
-        arrays["b_keep"][t, s] = slot_of["keep"][s, (mb, u)]
       if u == 0:
         arrays["b_first"][t, s], m_dx[t] = True, mb
       else:
-        arrays["b_arrive"][t, (u - 1) % k] = slot_of["grad"][(u - 1) % k, (mb, u - 1)]
+        arrays["b_into"][t, (u - 1) % k] = True
     else:
       arrays["w_on"][t, s], arrays["w_chunk"][t, s] = True, c
       arrays["w_read"][t, s] = slot_of["keep"][s, (mb, u)]
+  per_tick = {name: np.array([written(pool, t, what) for t in range(t_len)], np.int32)
+              for name, pool, what in (("f_stash", "stash", "F-write"),
+                                       ("f_arrive", "act", "F-write"),
+                                       ("h_slot", "grad", "H-write"),
+                                       ("b_keep", "keep", "B-write"),
+                                       ("b_arrive", "grad", "B-write"))}
   keyed = [tuple(p for p in PHASES if p in ph) for ph in phases]
   patterns = tuple(dict.fromkeys(keyed))
   pattern = np.array([patterns.index(p) for p in keyed], np.int32)
   return Plan(num_ticks=t_len, num_stages=k, num_microbatches=m, repeats=v,
               split=sched.split, patterns=patterns, pattern=pattern, slots=slots,
-              m_x=m_x, h_slot=h_slot, m_head=m_head, m_dx=m_dx, **arrays)
+              m_x=m_x, m_head=m_head, m_dx=m_dx, **per_tick, **arrays)
