@@ -6,8 +6,8 @@ table, once, as small numpy arrays (the scan's inputs):
 
 - which *phases* run (``pattern``): the kinds of action in the tick (``F``,
   ``B``, ``W``), plus ``H`` (the loss head) when the last virtual stage runs a
-  forward in it; a tick runs one branch of a ``lax.switch`` over the distinct
-  patterns, so a phase that no stage needs in a tick costs nothing;
+  forward in it; the executor runs each phase under a ``lax.cond``, so a
+  phase that no stage needs in a tick costs nothing;
 - per stage, each kind's action: on or off, its chunk, and whether it is the
   first virtual stage (F reads ``x``, B writes ``dx``);
 - slots. Values wait on a device between the tick that makes them and the
@@ -28,9 +28,11 @@ table, once, as small numpy arrays (the scan's inputs):
   Every write (one phase of one tick) takes one slot number for all the
   stages it writes on, the lowest that is free on each of them, so the
   executor writes it with one in-place ``dynamic_update_slice``; reads pick
-  each stage's own slot. For the built-in schedules a pool then has exactly
-  as many slots as values ever wait in it at once on one device (the tests
-  check it); ``-1`` means "no slot" (nothing read or written).
+  each stage's own slot. A pool then has exactly as many slots as values
+  ever wait in it at once on one device for ``gpipe``, ``1f1b`` and
+  ``zero_bubble``; ``interleaved``'s stash can take up to K-1 more (the
+  greedy shared slot is not always optimal; tests/test_pipeline_plan.py
+  checks both). ``-1`` means "no slot" (nothing read or written).
 
 Within a tick the phases run F, H, B, W; in each, slots are read before
 arrivals are written, so a slot read in a phase can take an arrival in the
