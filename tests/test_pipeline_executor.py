@@ -93,13 +93,15 @@ CASES = [
 ]
 
 
+MODELS = {"tanh": (tanh_layer, tanh_layers), "megatron": (megatron_layer, megatron_layers)}
+
+
 @pytest.mark.parametrize("name, mesh_args, layer, num_layers, m, kw", CASES,
                          ids=[c[0] for c in CASES])
 def test_schedule_equals_plain_loop(name, mesh_args, layer, num_layers, m, kw):
-  layer_fn, make = ((tanh_layer, tanh_layers) if layer == "tanh" else
-                    (megatron_layer, megatron_layers))
-  key = jax.random.PRNGKey(len(name))
-  layers, lp, x, t = _inputs(key, make, num_layers, 32 if m == 8 else 16)
+  layer_fn = MODELS[layer][0]
+  layers, lp, x, t = _inputs(jax.random.PRNGKey(len(name)), MODELS[layer][1], num_layers,
+                             32 if m == 8 else 16)
   layout = {k: kw[k] for k in ("repeats", "balance") if k in kw}
   stacked = pipeline.stack(layers, **layout)
   specs = param_specs(layers, stage_dim=1 if kw.get("repeats", 1) > 1 else 0,
