@@ -327,7 +327,8 @@ def reading(b, p, mem, pod) -> str:
 
 
 def main(quick: bool = False) -> None:
-  lines = report(quick)
+  from benchmarks import pipeline_schedules
+  lines = report(quick) + [""] + pipeline_schedules.report(quick)
   print("\n".join(lines))
   if not quick:
     path = os.path.join(_ROOT, "docs", "benchmarks-pipeline.md")

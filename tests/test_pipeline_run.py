@@ -277,7 +277,7 @@ ERRORS = [
      r"leaf \['w'\] has shape \(4, 16, 16\), but stacked leaf \['b'\] has shape \(4, 16\)"
      r"|leaf \['b'\] has shape \(4, 16\).*\[2, 3, \.\.\.\]"),
     (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, schedule="1f1b"),
-     ((4,), ("stage",)), 8, {}, r"run\(schedule='1f1b'\): run executes 'gpipe'"),
+     ((4,), ("stage",)), 8, {}, r"run\(schedule='1f1b'\) needs loss_fn=\.\.\. \(on mesh"),
     (lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4, remat="yes"),
      ((4,), ("stage",)), 8, {}, r"remat must be True, False or a jax.checkpoint policy"),
     (lambda s, x: pipeline.run(lambda p, h: h[:, :2], s, x, num_microbatches=4),

@@ -46,21 +46,33 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
-from gshard.annotate import current_mesh_sizes, shard
+from gshard.annotate import current_mesh_sizes
+from gshard.pipeline.executor import Config, run_schedule
 from gshard.pipeline.layout import Layout, layer_order, layout_of
+from gshard.pipeline.loss import check_loss, mean_loss
+from gshard.pipeline.schedules import Schedule
 from gshard.pipeline.shift import shift
+from gshard.pipeline.stages import mask, merged, microbatches, on_stages, stage_major
+from gshard.pipeline.tables import SCHEDULES
 from gshard.pipeline.tables import schedule as make_schedule
 from gshard.spmd.sharding import mesh_str
 
 CHUNK_WEIGHTS = "gshard_pipeline_chunk_weights"   # checkpoint_name of a tick's chunk weights
-EXECUTED = ("gpipe",)
 
 
 def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: str = "stage",
-        schedule: str = "gpipe", repeats: int = 1, remat=True, balance=None):
+        schedule="gpipe", repeats: int = 1, remat=True, balance=None, loss_fn=None,
+        loss_params=None, targets=None):
   """Apply L stacked layers to ``x``, pipelined over ``stage_axis`` under gshard.
+
+  Two forms. ``run(layer_fn, stacked, x, ...)`` returns the stack's output
+  (GPipe: ``jax.grad`` of the loop is the mirrored backward). With
+  ``loss_fn``, ``run`` returns the mean loss over micro-batches, and on a mesh
+  the pipeline runs ``schedule``'s table, backwards interleaved with forwards
+  (``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ``"gpipe"`` or your own
+  :class:`Schedule`); ``jax.value_and_grad`` of it gives the plain loop's
+  gradients.
 
   Args:
     layer_fn: ``layer_fn(one_layer_params, x) -> x`` with the same structure
@@ -73,7 +85,10 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
     x: an array or pytree of arrays, all with the batch as dim 0.
     num_microbatches: M, must divide the batch.
     stage_axis: the mesh axis of pipeline stages.
-    schedule: ``"gpipe"``.
+    schedule: ``"gpipe"``; with ``loss_fn`` also ``"1f1b"``,
+      ``"interleaved"``, ``"zero_bubble"`` or a :class:`Schedule` (your own
+      table, ``pipeline.schedule(table=...)``). A name runs its lockstep form,
+      ``pipeline.schedule(name, K, M, repeats, lockstep=True)``.
     repeats: v, chunks per device (the circular pipeline: device s runs
       virtual stages s, s+K, ...); needs M to be a multiple of K when v > 1.
     remat: True (recompute each stage's layers in the backward pass, keep
@@ -82,39 +97,102 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
     balance: layers per stage (K entries, e.g. ``pipeline.balance(costs,
       num_stages=K)``); None splits evenly. Short stages pad their idle layer
       slots with the zero parameters of the stack and skip them (identity).
+    loss_fn: ``loss_fn(loss_params, y, targets) -> scalar``, the loss of one
+      micro-batch (``y`` its rows of the stack's output, ``targets`` the same
+      rows of ``targets``): the layers after the stack and the loss. On the
+      pipeline it runs on the last stage as each micro-batch finishes, so its
+      backward can start there. Values it (or ``layer_fn``) closes over that
+      are traced floats get gradients too.
+    loss_params: parameters of ``loss_fn`` (any pytree; their gradient is
+      the mean over micro-batches).
+    targets: a pytree with the batch as dim 0 (or None), cut into
+      micro-batches like ``x``.
 
   Returns:
-    ``x`` after the L layers: on one device, or under gshard without
-    ``stage_axis``, the plain loop; on a mesh with ``stage_axis`` the pipeline,
-    equal to the plain loop (to float rounding), gradients included.
+    Without ``loss_fn``: ``x`` after the L layers. With it: the mean over
+    micro-batches of ``loss_fn(loss_params, y_m, targets_m)``. On one device,
+    or under gshard without ``stage_axis``, the plain loop; on a mesh with
+    ``stage_axis`` the pipeline, equal to the plain loop (to float rounding),
+    gradients included.
   """
-  if schedule not in EXECUTED:
-    raise ValueError(
-        f"run(schedule={schedule!r}): run executes {', '.join(map(repr, EXECUTED))}. "
-        f"pipeline.schedule({schedule!r}, num_stages=K, num_microbatches=M) builds that "
-        "schedule's table and metrics; run it with schedule='gpipe'.")
   _check_remat(remat)
   layout = layout_of(stacked, repeats=repeats, balance=balance)
   mesh = current_mesh_sizes()
+  _check_schedule(schedule, loss_fn, mesh)
   batch = _check_batch(x, num_microbatches, mesh)
+  if loss_fn is not None:
+    check_loss(loss_fn, loss_params, targets, x, stacked, batch, num_microbatches,
+               _where(mesh))
   one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[len(layout.lead):],
                                                           jnp.result_type(a)), stacked)
   stages = None if mesh is None else mesh.get(stage_axis)
   if stages is None or (stages == 1 and layout.balance is None):
     _check_layer_fn(layer_fn, one_layer, x, batch)
-    return _plain(layer_fn, layer_order(stacked, layout), x, remat)
+    y = _plain(layer_fn, layer_order(stacked, layout), x, remat)
+    if loss_fn is None:
+      return y
+    return mean_loss(loss_fn, loss_params, y, targets, num_microbatches)
   _check_stages(layout, stages, stage_axis, mesh, num_microbatches)
   mb = batch // num_microbatches
   _check_layer_fn(layer_fn, one_layer,
                   jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb,) + np.shape(a)[1:],
                                                               jnp.result_type(a)), x), mb)
-  return _pipelined(layer_fn, stacked, x, layout, stages, num_microbatches, stage_axis, remat)
+  if loss_fn is None:
+    return _pipelined(layer_fn, stacked, x, layout, stages, num_microbatches, stage_axis,
+                      remat)
+  sched = _executed(schedule, stages, num_microbatches, layout, stage_axis, mesh)
+
+  def forward(fn, stacked, x):
+    return _pipelined(fn, stacked, x, layout, stages, num_microbatches, stage_axis, False)
+  return run_schedule(layer_fn, loss_fn, stacked, x, loss_params, targets,
+                      Config(layout, sched, stage_axis, remat), forward)
 
 
 # -- checks ---------------------------------------------------------------------
 
 def _where(mesh) -> str:
   return "off mesh" if mesh is None else f"on mesh {mesh_str(mesh)}"
+
+
+def _check_schedule(schedule, loss_fn, mesh) -> None:
+  if isinstance(schedule, Schedule):
+    if loss_fn is None:
+      raise ValueError(
+          f"run(schedule={schedule!r}): a schedule's table runs with loss_fn=...: its "
+          "backwards start before the last forward, so each micro-batch's loss must be "
+          "computed inside the pipeline. Pass loss_fn (and loss_params, targets); run then "
+          "returns the mean loss.")
+    return
+  if schedule not in SCHEDULES:
+    raise ValueError(f"run(schedule={schedule!r}): use one of "
+                     f"{', '.join(map(repr, SCHEDULES))} or a pipeline.Schedule.")
+  if schedule != "gpipe" and loss_fn is None:
+    raise ValueError(
+        f"run(schedule={schedule!r}) needs loss_fn=... ({_where(mesh)}): {schedule} starts "
+        "micro-batch 0's backward before the last micro-batch's forward, so the layers "
+        "after the stack and the loss run inside the pipeline, on the last stage: pass "
+        "loss_fn(loss_params, y, targets) -> scalar, loss_params and targets, and run "
+        "returns the mean loss (jax.value_and_grad of it as usual). Or use "
+        "schedule='gpipe', which returns the stack's output.")
+
+
+def _executed(schedule, k: int, m: int, layout: Layout, axis: str, mesh) -> Schedule:
+  """The table run executes on K stages: a name's lockstep form, or the user's."""
+  v = layout.repeats
+  if isinstance(schedule, Schedule):
+    got = (schedule.num_stages, schedule.num_microbatches, schedule.repeats)
+    if got != (k, m, v):
+      raise ValueError(
+          f"run(schedule=...): the table is for num_stages={got[0]}, num_microbatches="
+          f"{got[1]}, repeats={got[2]}, but this call has {k} stages (stage_axis {axis!r} on "
+          f"mesh {mesh_str(mesh)}), num_microbatches={m}, repeats={v}. Build it with "
+          f"pipeline.schedule(..., num_stages={k}, num_microbatches={m}, repeats={v}).")
+    return schedule
+  if schedule in ("1f1b", "zero_bubble") and v != 1:
+    raise ValueError(
+        f"run(schedule={schedule!r}, repeats={v}): {schedule} runs one chunk per device; for "
+        f"{v} chunks per device use schedule='interleaved' (or 'gpipe').")
+  return make_schedule(schedule, num_stages=k, num_microbatches=m, repeats=v, lockstep=True)
 
 
 def _check_remat(remat) -> None:
@@ -258,33 +336,6 @@ def forward_ticks(num_stages: int, num_microbatches: int, repeats: int) -> Ticks
 
 # -- the pipeline ------------------------------------------------------------------
 
-def _open(ndim: int, *fixed):
-  """``P(*fixed, UNCONSTRAINED, ...)`` for a value of rank ``ndim``."""
-  return P(*fixed, *([P.UNCONSTRAINED] * (ndim - len(fixed))))
-
-
-def _on_stages(tree, axis: str, dim: int = 0):
-  """Pin dim ``dim`` of every leaf over the stage axis (other dims left open)."""
-  def pin(a):
-    return shard(a, _open(a.ndim, *([P.UNCONSTRAINED] * dim), axis))
-  return jax.tree.map(pin, tree)
-
-
-def _stage_major(a, layout: Layout, k: int, axis: str) -> list:
-  """A stacked leaf as one ``[S, K, ...]`` array per chunk, K over ``axis``: S
-  layer slots per stage, each a ``[K, ...]`` value the stages run at once."""
-  v = layout.repeats
-  if layout.balance is not None:
-    return [jnp.swapaxes(shard(a, _open(a.ndim, axis, None)), 0, 1)]
-  per_stage = layout.num_layers // (v * k)
-  if v == 1:
-    a = shard(a.reshape((k, per_stage) + a.shape[1:]), _open(a.ndim + 1, axis, None))
-    return [jnp.swapaxes(a, 0, 1)]
-  a = a.reshape((v, k, per_stage) + a.shape[2:])
-  a = jnp.swapaxes(shard(a, _open(a.ndim, None, axis, None)), 1, 2)
-  return [a[c] for c in range(v)]
-
-
 # Recomputed in the backward pass under any remat setting when repeats > 1:
 # the per-tick copy of a chunk's weights, and the selects / broadcasts that make it.
 _NOT_SAVED = ("select_n", "broadcast_in_dim", "squeeze")
@@ -323,7 +374,7 @@ def _stage_fn(layer_fn, layout: Layout, k: int, axis: str, remat):
   vmapped = jax.vmap(layer_fn, spmd_axis_name=axis)
 
   def pick(chunk, *cases):   # each case [K, ...] -> [K, ...]: each stage's chunk
-    which = jnp.broadcast_to(_mask(chunk, cases[0]), cases[0].shape)
+    which = jnp.broadcast_to(mask(chunk, cases[0]), cases[0].shape)
     return checkpoint_name(lax.select_n(which, *cases), CHUNK_WEIGHTS)
 
   def stage(weights, chunk, h):
@@ -332,18 +383,13 @@ def _stage_fn(layer_fn, layout: Layout, k: int, axis: str, remat):
       w = ws[0] if v == 1 else jax.tree.map(functools.partial(pick, chunk), *ws)
       y = vmapped(w, h)
       if on is not None:   # a short stage's idle slot: identity
-        y = jax.tree.map(lambda new, old: jnp.where(_mask(on, old), new, old), y, h)
-      return _on_stages(y, axis), None
+        y = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), y, h)
+      return on_stages(y, axis), None
 
-    h, _ = lax.scan(layer, _on_stages(h, axis), (weights, active))
+    h, _ = lax.scan(layer, on_stages(h, axis), (weights, active))
     return h
 
   return _checkpointed(stage, remat, v > 1)
-
-
-def _mask(m, like):
-  """A ``[K]`` mask shaped to broadcast against ``like`` (``[K, ...]``)."""
-  return jnp.reshape(m, m.shape + (1,) * (like.ndim - m.ndim))
 
 
 def _initial_buffer(shape, dtype):
@@ -352,41 +398,31 @@ def _initial_buffer(shape, dtype):
   return jnp.zeros(shape, dtype)
 
 
-def _microbatches(a, m: int):
-  """``[B, ...] -> [M, B/M, ...]``: micro-batch i holds rows i, i+M, i+2M, ..."""
-  return jnp.swapaxes(a.reshape((a.shape[0] // m, m) + a.shape[1:]), 0, 1)
-
-
-def _merged(a):
-  """The inverse of :func:`_microbatches`."""
-  return jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:])
-
-
 def _pipelined(layer_fn, stacked, x, layout: Layout, k: int, m: int, axis: str, remat):
   v = layout.repeats
   ticks = forward_ticks(k, m, v)
   num_ticks = ticks.num_ticks
   leaves, tree = jax.tree.flatten(stacked)
-  per_leaf = [_stage_major(a, layout, k, axis) for a in leaves]
+  per_leaf = [stage_major(a, layout, k, axis) for a in leaves]
   weights = [tree.unflatten([chunks[c] for chunks in per_leaf]) for c in range(v)]
-  micro = jax.tree.map(lambda a: _microbatches(a, m), x)                 # [M, B/M, ...]
+  micro = jax.tree.map(lambda a: microbatches(a, m), x)                 # [M, B/M, ...]
 
   def per_tick_input(a):   # [T, K, B/M, ...]: the micro-batch stage 0 starts, every stage
     # broadcast before the gather: its gradient is summed over the stages once, [M, ...]
-    every = _on_stages(jnp.broadcast_to(a[None], (k,) + a.shape), axis)   # [K, M, ...]
+    every = on_stages(jnp.broadcast_to(a[None], (k,) + a.shape), axis)   # [K, M, ...]
     return jnp.swapaxes(jnp.take(every, ticks.m_in, axis=1), 0, 1)
-  inputs = _on_stages(jax.tree.map(per_tick_input, micro), axis, dim=1)
+  inputs = on_stages(jax.tree.map(per_tick_input, micro), axis, dim=1)
   stage = _stage_fn(layer_fn, layout, k, axis, remat)
 
   def tick(prev, xs):
     take, chunk, start = xs
     sent = jax.tree.map(lambda a: shift(a, 0, 1, circular=v > 1), prev)
-    h = jax.tree.map(lambda r, s: jnp.where(_mask(take, s), r, s), _on_stages(sent, axis),
+    h = jax.tree.map(lambda r, s: jnp.where(mask(take, s), r, s), on_stages(sent, axis),
                      start)
-    out = _on_stages(stage(weights, chunk, _on_stages(h, axis)), axis)
+    out = on_stages(stage(weights, chunk, on_stages(h, axis)), axis)
     return out, out
 
-  init = _on_stages(jax.tree.map(lambda a: _initial_buffer((k,) + a.shape[1:], a.dtype),
+  init = on_stages(jax.tree.map(lambda a: _initial_buffer((k,) + a.shape[1:], a.dtype),
                                  micro), axis)
   _, outs = lax.scan(tick, init, (ticks.take, ticks.chunk, inputs))    # [T, K, B/M, ...]
 
@@ -394,4 +430,4 @@ def _pipelined(layer_fn, stacked, x, layout: Layout, k: int, m: int, axis: str, 
     y = jnp.take(y, ticks.t_out, axis=0)                                 # [M, K, B/M, ...]
     last = (np.arange(k) == k - 1).reshape((1, k) + (1,) * (y.ndim - 2))
     return jnp.sum(jnp.where(last, y, jnp.zeros((), y.dtype)), axis=1)
-  return jax.tree.map(lambda y: _merged(finished(y)), outs)
+  return jax.tree.map(lambda y: merged(finished(y)), outs)

@@ -70,7 +70,7 @@ from collections.abc import Mapping, Sequence
 
 from gshard.pipeline.actions import (KINDS, RULES, Action, Key, dependencies, describe,
                                      virtual_stage)
-from gshard.pipeline.timeline import Costs, Event, Timeline
+from gshard.pipeline.timeline import Costs, Event, Timeline, lockstep_timeline
 
 
 def _as_action(entry, tick: int, stage: int) -> Action | None:
@@ -104,6 +104,11 @@ class Schedule:
     table: T ticks, each a tuple of K entries (Action or None).
     costs: the :class:`Costs` the metrics use, or None for the table's own
       ticks (every action one tick).
+    lockstep: how the metrics replay the table. False: asynchronously, each
+      device starting an action once it is free and its inputs arrived (the
+      schedule as published; torch-style runtimes). True: as ``pipeline.run``
+      runs it in one SPMD program, every tick one *phase* per kind of action
+      in it (F, B, W), each phase as long as its slowest action on any stage.
   """
 
   name: str
@@ -112,6 +117,7 @@ class Schedule:
   repeats: int
   table: tuple[tuple[Action | None, ...], ...]
   costs: Costs | None = None
+  lockstep: bool = False
 
   def __post_init__(self):
     for field in ("num_stages", "num_microbatches", "repeats"):
@@ -207,17 +213,31 @@ class Schedule:
 
   # -- metrics ---------------------------------------------------------------
 
+  @functools.cached_property
+  def phases(self) -> int:
+    """What ``pipeline.run`` executes: the sum over ticks of the kinds of action
+    in each (every stage runs each of them, masked where it has another or
+    none). Equal to ``num_ticks`` when every tick holds one kind, as in the
+    lockstep tables and ``gpipe``; a tick mixing F and B counts two."""
+    return sum(len({a.kind for a in row if a is not None}) for row in self.table)
+
   def timeline(self, costs: Mapping[str, object] | Costs | None = None) -> Timeline:
     """Replay the table event by event under ``costs`` (default: this schedule's costs).
 
-    Each device runs its actions in table order; an action starts at
-    ``max(device free, each dependency's end + comm if it crosses devices)``.
-    With no costs at all every action lasts 1 and starts at its tick (the
-    table itself; idle ticks a user put in are kept).
+    Asynchronous (``lockstep=False``): each device runs its actions in table
+    order; an action starts at ``max(device free, each dependency's end + comm
+    if it crosses devices)``. Lockstep: ticks run one after the other, each as
+    one phase per kind of action in it (F, then B, then W), a phase lasting as
+    long as its longest action (plus ``comm`` for the F and B phases, whose
+    results move to a neighbour); each action starts with its phase. With no
+    costs at all every action lasts 1 and starts at its tick (the table
+    itself; idle ticks a user put in are kept).
     """
     costs = self.costs if costs is None else Costs.of(costs, self.num_stages, self.repeats,
                                                       self.split)
     k = self.num_stages
+    if self.lockstep:
+      return lockstep_timeline(self.table, k, costs)
     events, busy = [], [0.0] * k
     if costs is None:
       for t, row in enumerate(self.table):
@@ -281,7 +301,8 @@ class Schedule:
   def header(self) -> str:
     """One line: name, K, M, v, ticks, bubble and peak."""
     cost_note = "" if self.costs is None else " (given costs)"
-    return (f"{self.name}: K={self.num_stages} M={self.num_microbatches} v={self.repeats} "
+    name = f"{self.name} (lockstep)" if self.lockstep else self.name
+    return (f"{name}: K={self.num_stages} M={self.num_microbatches} v={self.repeats} "
             f"ticks={self.num_ticks} bubble={self.bubble_fraction:.1%}{cost_note} "
             f"peak_in_flight={self.peak_in_flight}")
 
@@ -321,8 +342,9 @@ class Schedule:
     return self.chart()
 
   def __repr__(self) -> str:
+    tail = ", lockstep=True" if self.lockstep else ""
     return (f"Schedule({self.name!r}, num_stages={self.num_stages}, num_microbatches="
-            f"{self.num_microbatches}, repeats={self.repeats}, ticks={self.num_ticks})")
+            f"{self.num_microbatches}, repeats={self.repeats}, ticks={self.num_ticks}{tail})")
 
   def plot(self, path, *, costs: Mapping[str, object] | Costs | None = None,
            title: str | None = None) -> str:
@@ -337,7 +359,8 @@ class Schedule:
     from gshard.pipeline._plot import plot_timeline
     timeline = self.timeline(costs)
     bubble = timeline.bubble_fraction
-    title = title or (f"{self.name}: K={self.num_stages} M={self.num_microbatches} "
+    name = f"{self.name} (lockstep)" if self.lockstep else self.name
+    title = title or (f"{name}: K={self.num_stages} M={self.num_microbatches} "
                       f"v={self.repeats}  bubble {bubble:.1%}  peak in flight "
                       f"{self.peak_in_flight}")
     return plot_timeline(timeline, path, num_microbatches=self.num_microbatches,

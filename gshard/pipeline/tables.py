@@ -1,7 +1,9 @@
 """The built-in schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1) and ``schedule()``.
 
 Each is a per-device order of actions, placed on ticks as early as the tick
-rules allow (:func:`place`).
+rules allow (:func:`place`). With ``lockstep=True`` each is laid out in
+*rounds* instead (:func:`lockstep_table`): the form ``pipeline.run`` executes,
+where every tick holds one kind of action on every stage.
 """
 
 from __future__ import annotations
@@ -109,9 +111,38 @@ def _zb_h1_orders(k: int, m: int) -> list[list[Action]]:
   return orders
 
 
+def lockstep_table(name: str, k: int, m: int, v: int):
+  """``name`` laid out in rounds, every tick one kind of action on every stage.
+
+  One SPMD program runs a tick's work on every device at once: a device cannot
+  run a forward while its neighbour runs a backward without computing both.
+  So the table is built from rounds, each an F tick, then a B tick, then (split
+  schedules) a W tick, empty ticks dropped. Device s runs its i-th forward (the
+  grouped order: K micro-batches per chunk) in round ``i + s``, its j-th
+  backward in round ``j + vK + K - 2 - s`` and its j-th W in round
+  ``j + vK + K - 2``: every backward as early as the forward chain allows, every
+  W tick full. ``gpipe`` is its own lockstep form.
+  """
+  if name == "gpipe":
+    return place(_gpipe_orders(k, m, v), k, v, name)
+  fwd = _grouped(k, m, v, backward=False)
+  bwd = _grouped(k, m, v, backward=True)
+  late = v * k + k - 2
+  cells: dict[tuple[int, int], list] = {}
+  for s in range(k):
+    for i, (mb, c) in enumerate(fwd):
+      cells.setdefault((i + s, 0), [None] * k)[s] = Action("F", mb, c)
+    for j, (mb, c) in enumerate(bwd):
+      cells.setdefault((j + late - s, 1), [None] * k)[s] = Action("B", mb, c)
+      if name == "zero_bubble":
+        cells.setdefault((j + late, 2), [None] * k)[s] = Action("W", mb, c)
+  return tuple(tuple(cells[key]) for key in sorted(cells))
+
+
 def schedule(name: str | None = None, *, num_stages: int, num_microbatches: int,
              repeats: int = 1, costs: Mapping[str, object] | None = None,
-             table: Sequence[Sequence[object]] | None = None) -> Schedule:
+             table: Sequence[Sequence[object]] | None = None,
+             lockstep: bool = False) -> Schedule:
   """A pipeline schedule by name, or a user's own ``table``, validated.
 
   Args:
@@ -124,6 +155,12 @@ def schedule(name: str | None = None, *, num_stages: int, num_microbatches: int,
       (see :class:`Costs`); None means every action takes one tick.
     table: a user's schedule, ``table[tick][stage]`` of Action, None or
       ``(kind, microbatch[, chunk])``.
+    lockstep: False: the schedule as the literature (and asynchronous
+      runtimes such as ``torch.distributed.pipelining``) defines it, each
+      device starting an action as soon as its inputs arrive. True: the
+      form ``pipeline.run`` executes in one SPMD program, where all stages
+      run one kind of action per tick (:func:`lockstep_table`); its metrics
+      are the executed ones (:meth:`Schedule.timeline`).
 
   The built-in schedules. Numbers are exact (the tests check them) in the
   table's ticks, i.e. every action, a chunk's F, B or W, lasts one tick; they
@@ -155,16 +192,33 @@ def schedule(name: str | None = None, *, num_stages: int, num_microbatches: int,
     ``M(F+B+W) + (K-1)(F+B-W)``. Peak in flight ``min(K, M)``, as 1F1B.
     Needs ``repeats=1``.
 
+  Their lockstep forms (``lockstep=True``, what ``run`` executes): every tick
+  one kind of action on all stages, so a step costs ``#F ticks * F + #B ticks
+  * B + #W ticks * W`` on every device. ``gpipe`` is unchanged. ``1f1b``:
+  device s warms up with ``2(K-1-s)`` forwards (a forward reaches the next
+  stage one round later, not one tick), ``2(M+K-1)`` ticks, bubble
+  ``(K-1)/(M+K-1)`` as above, peak in flight ``min(2K-1-2s, M)`` on device
+  s: ``2K-1`` at most, whatever M. ``interleaved``: ``2(vM+K-1)`` ticks, bubble
+  ``(K-1)/(vM+K-1)``, peak ``min(vK+K-1-2s, vM)`` chunks (Megatron-LM's
+  interleaved schedule is this one). ``zero_bubble``: 1F1B's rounds plus one
+  full W tick per round from round ``2K-2``: ``3M+2K-2`` ticks; the bubble is
+  the forward and input-gradient fill only, ``(K-1)(F+B) / ((M+K-1)(F+B) +
+  M W)`` (``2(K-1)/(3M+2K-2)`` at unit costs), where ``1f1b``'s is ``(K-1)(F+B+W)
+  / ((M+K-1)(F+B+W))``; peak ``min(2K-1-s, M)`` on device s, 1F1B's ``2K-1``.
+
   Raises:
     ValueError: unknown name, a requirement not met (message names the fix),
       or an invalid ``table`` (message names tick, stage, action and rule).
   """
+  if not isinstance(lockstep, bool):
+    raise ValueError(f"schedule: lockstep must be True or False, got {lockstep!r}.")
   for field, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                        ("repeats", repeats)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"schedule: {field} must be an int >= 1, got {value!r}.")
   if table is not None:
-    return Schedule(name or "custom", num_stages, num_microbatches, repeats, table, costs)
+    return Schedule(name or "custom", num_stages, num_microbatches, repeats, table, costs,
+                    lockstep)
   if name not in SCHEDULES:
     raise ValueError(f"schedule: name must be one of {', '.join(map(repr, SCHEDULES))} (or pass "
                      f"table=...), got {name!r}.")
@@ -187,4 +241,6 @@ def schedule(name: str | None = None, *, num_stages: int, num_microbatches: int,
     if v != 1:
       raise ValueError(f"schedule('zero_bubble'): repeats must be 1 (ZB-H1), got repeats={v}.")
     orders = _zb_h1_orders(k, m)
+  if lockstep:
+    return Schedule(name, k, m, v, lockstep_table(name, k, m, v), costs, True)
   return Schedule(name, k, m, v, place(orders, k, v, name), costs)

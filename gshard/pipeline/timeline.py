@@ -125,3 +125,29 @@ class Timeline:
     if self.makespan <= 0:
       return 0.0
     return 1.0 - sum(self.busy) / (self.num_stages * self.makespan)
+
+
+PHASES = ("F", "B", "W")   # the order of a tick's phases in pipeline.run
+
+
+def lockstep_timeline(table, num_stages: int, costs: Costs | None) -> Timeline:
+  """``table`` replayed as one SPMD program runs it: tick after tick, each tick
+  one phase per kind of action in it (F, B, W in that order), a phase as long
+  as its longest action (``comm`` added after F and B phases: their results
+  move to a neighbour). Without costs every phase lasts 1."""
+  events, busy, now = [], [0.0] * num_stages, 0.0
+  for t, row in enumerate(table):
+    for kind in PHASES:
+      cells = [(s, a) for s, a in enumerate(row) if a is not None and a.kind == kind]
+      if not cells:
+        continue
+      length, comm = 1.0, 0.0
+      if costs is not None:
+        durations = [costs.duration(kind, a.chunk * num_stages + s) for s, a in cells]
+        length, comm = max(durations), (costs.comm if kind != "W" else 0.0)
+      for s, a in cells:
+        own = length if costs is None else costs.duration(kind, a.chunk * num_stages + s)
+        events.append(Event(s, t, a, now, now + own))
+        busy[s] += own
+      now += length + comm
+  return Timeline(tuple(events), num_stages, now, tuple(busy))

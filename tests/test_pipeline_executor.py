@@ -1,0 +1,181 @@
+"""``pipeline.run(..., loss_fn=...)``: every schedule equals the plain loop.
+
+On a mesh with the stage axis, ``run`` with ``loss_fn`` executes the
+schedule's lockstep table (or a user's) inside one ``custom_vjp`` forward;
+``jax.value_and_grad`` of it must give the loss and the gradients of the plain
+loop (a Python loop over the unstacked layers written here, then the head and
+the loss over the whole batch): for the stack, the loss parameters, the
+input and the (float) targets. Tolerances are derived, never tuned
+(``helpers_numerics.assert_close_to_f64``): the pipeline and the one-device
+f32 loop are both compared with the f64 loop, each element within
+``sqrt(n) E`` with ``n`` the batch (the longest sum, every weight gradient
+sums over the batch rows) and ``E`` the one-device f32 loop's own error.
+
+Also: the executed tick loop has the table's length and one permute each way
+per phase, and without remat 1F1B's temporary memory shrinks with M at a fixed
+batch while GPipe's does not (the point of 1F1B).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from gshard import pipeline
+from helpers_numerics import assert_close_to_f64, f64_run, to_host
+from helpers_partition import mesh
+from test_pipeline_run import D, megatron_layer, megatron_layers, param_specs, tanh_layer, \
+    tanh_layers
+
+
+def head(lp, y, t):
+  """The layers after the stack and the loss of one micro-batch."""
+  return jnp.mean((jnp.tanh(y @ lp["w"]) + lp["b"] - t) ** 2)
+
+
+def plain(layer_fn):
+  def loss(layers, lp, x, t):
+    h = x
+    for p in layers:
+      h = layer_fn(p, h)
+    return head(lp, h, t)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def piped(layer_fn, m, **kw):
+  def loss(stacked, lp, x, t):
+    return pipeline.run(layer_fn, stacked, x, num_microbatches=m, loss_fn=head,
+                        loss_params=lp, targets=t, **kw)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+
+def _inputs(key, layers_fn, num_layers, batch):
+  layers = layers_fn(key, num_layers)
+  lp = {"w": jax.random.normal(jax.random.fold_in(key, 3), (D, D)) / D ** 0.5,
+        "b": jax.random.normal(jax.random.fold_in(key, 4), (D,)) * 0.1}
+  x = jax.random.normal(jax.random.fold_in(key, 7), (batch, D))
+  t = jax.random.normal(jax.random.fold_in(key, 8), (batch, D))
+  return layers, lp, x, t
+
+
+def check(layer_fn, layers, lp, x, t, got, layout, what):
+  want = to_host(plain(layer_fn)(layers, lp, x, t))
+  exact = f64_run(plain(layer_fn), layers, lp, x, t)
+  restack = lambda r: (r[0], (pipeline.stack(r[1][0], **layout),) + tuple(r[1][1:]))
+  assert_close_to_f64(to_host(got), restack(want), restack(exact), n=x.shape[0], what=what)
+
+
+CASES = [
+    # name, mesh, layer, L, M, run kwargs
+    ("1f1b K4 M8", ((4,), ("stage",)), "tanh", 8, 8, {"schedule": "1f1b"}),
+    ("1f1b K2 M4 data4", ((4, 2), ("data", "stage")), "megatron", 4, 4, {"schedule": "1f1b"}),
+    ("1f1b megatron K2 M4", ((2, 2, 2), ("data", "stage", "model")), "megatron", 4, 4,
+     {"schedule": "1f1b", "remat": False}),
+    ("1f1b no remat data2", ((2, 4), ("data", "stage")), "tanh", 8, 8,
+     {"schedule": "1f1b", "remat": False}),
+    ("1f1b policy", ((2, 4), ("data", "stage")), "megatron", 8, 4,
+     {"schedule": "1f1b", "remat": jax.checkpoint_policies.dots_saveable}),
+    ("1f1b balance 1331", ((4,), ("stage",)), "tanh", 8, 4,
+     {"schedule": "1f1b", "balance": [1, 3, 3, 1]}),
+    ("zero_bubble K4 M8 data2", ((2, 4), ("data", "stage")), "tanh", 8, 8,
+     {"schedule": "zero_bubble", "remat": False}),
+    ("zero_bubble megatron K2 M4", ((2, 2, 2), ("data", "stage", "model")), "megatron", 4, 4,
+     {"schedule": "zero_bubble"}),
+    ("interleaved K4 M8 data2", ((2, 4), ("data", "stage")), "tanh", 16, 8,
+     {"schedule": "interleaved", "repeats": 2, "remat": False}),
+    ("interleaved megatron K2 M4", ((2, 2, 2), ("data", "stage", "model")), "megatron", 8, 4,
+     {"schedule": "interleaved", "repeats": 2}),
+    ("gpipe table K4 M4", ((4,), ("stage",)), "tanh", 8, 4, {"schedule": "gpipe"}),
+]
+
+
+MODELS = {"tanh": (tanh_layer, tanh_layers), "megatron": (megatron_layer, megatron_layers)}
+
+
+@pytest.mark.parametrize("name, mesh_args, layer, num_layers, m, kw", CASES,
+                         ids=[c[0] for c in CASES])
+def test_schedule_equals_plain_loop(name, mesh_args, layer, num_layers, m, kw):
+  layer_fn = MODELS[layer][0]
+  layers, lp, x, t = _inputs(jax.random.PRNGKey(len(name)), MODELS[layer][1], num_layers,
+                             32 if m == 8 else 16)
+  layout = {k: kw[k] for k in ("repeats", "balance") if k in kw}
+  stacked = pipeline.stack(layers, **layout)
+  specs = param_specs(layers, stage_dim=1 if kw.get("repeats", 1) > 1 else 0,
+                      model="model" in mesh_args[1])
+  data = P("data") if "data" in mesh_args[1] else P()
+  step = gshard.partition(piped(layer_fn, m, **kw), mesh(*mesh_args),
+                          in_specs=(specs, P(), data, data))
+  got = step(stacked, lp, x, t)
+  check(layer_fn, layers, lp, x, t, got, layout, name)
+  low = step.lower(stacked, lp, x, t)
+  kinds = {(c.kind, c.axes) for c in low.collectives()}
+  assert ("ppermute", ("stage",)) in kinds
+  assert not any(c.kind == "all_gather" for c in low.collectives()), low.explain()
+  assert low.fallbacks == []
+
+
+def test_a_users_own_table_and_the_asynchronous_1f1b():
+  # run executes any validated table: here 1F1B as the literature writes it
+  # (F and B of different stages in one tick) and a hand-made table of
+  # GPipe's forwards followed by 1F1B-like backwards, on K=2, M=2
+  layers, lp, x, t = _inputs(jax.random.PRNGKey(5), tanh_layers, 4, 16)
+  stacked = pipeline.stack(layers)
+  own = pipeline.schedule(table=[[("F", 0), None], [("F", 1), ("F", 0)], [None, ("B", 0)],
+                                 [("B", 0), ("F", 1)], [None, ("B", 1)], [("B", 1), None]],
+                          num_stages=2, num_microbatches=2)
+  for sched in (pipeline.schedule("1f1b", num_stages=2, num_microbatches=4), own):
+    m = sched.num_microbatches
+    step = gshard.partition(piped(tanh_layer, m, schedule=sched),
+                            mesh((4, 2), ("data", "stage")),
+                            in_specs=({"w": P("stage"), "b": P("stage")}, P(), P("data"),
+                                      P("data")))
+    check(tanh_layer, layers, lp, x, t, step(stacked, lp, x, t), {}, sched.name)
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2)])
+def test_the_tick_loop_runs_the_lockstep_table(name, v):
+  # one scan over the table's ticks; each tick's F and B phases shift one
+  # micro-batch (B/M rows of D floats) each way: gshard's record counts each
+  # permute once per trip (the phases are conditionals, skipped in ticks
+  # without them), so each direction is num_ticks micro-batches
+  k, m, batch = 4, 4, 16
+  layers, lp, x, t = _inputs(jax.random.PRNGKey(1), tanh_layers, 4 * v, batch)
+  stacked = pipeline.stack(layers, repeats=v)
+  sched = pipeline.schedule(name, num_stages=k, num_microbatches=m, repeats=v, lockstep=True)
+  step = gshard.partition(piped(tanh_layer, m, schedule=name, repeats=v),
+                          mesh((4,), ("stage",)),
+                          in_specs=(param_specs(layers, stage_dim=int(v > 1)), P(), P(), P()))
+  permutes = [c for c in step.lower(stacked, lp, x, t).collectives() if c.kind == "ppermute"]
+  assert len(permutes) == 2 and all(c.axes == ("stage",) for c in permutes)
+  assert [c.bytes for c in permutes] == [sched.num_ticks * (batch // m) * D * 4] * 2
+
+
+def _temp(sched_name, m, batch=256, k=4):
+  layers = megatron_layers(jax.random.PRNGKey(0), 2 * k)
+  stacked = pipeline.stack(layers)
+  x = jnp.ones((batch, D))
+
+  def loss(stacked, x):
+    return pipeline.run(megatron_layer, stacked, x, num_microbatches=m, schedule=sched_name,
+                        loss_fn=lambda lp, y, t: jnp.mean((y - t) ** 2), loss_params=(),
+                        targets=x, remat=False)
+  step = gshard.partition(jax.grad(loss), mesh((k,), ("stage",)),
+                          in_specs=(param_specs(layers), P()))
+  return step.lower(stacked, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_temp_memory_shrinks_with_m_where_gpipes_does_not():
+  # At a fixed batch B a micro-batch is B/M rows. GPipe's table keeps one
+  # stash per forward tick and stage, (M+K-1) micro-batches = (M+K-1)/M of the
+  # batch: 7/4 -> 35/32 from M=4 to 32 (x0.625, never below the whole batch);
+  # lockstep 1F1B at most 2K-1 = 7 micro-batches: 7/4 -> 7/32 (x0.125). The
+  # gradients, weights and I/O are the same in both and do not depend on M.
+  gpipe = [_temp("gpipe", m) for m in (4, 32)]
+  one = [_temp("1f1b", m) for m in (4, 32)]
+  assert gpipe[1] >= 0.625 * gpipe[0], gpipe
+  assert one[1] <= 0.35 * one[0], one
+  assert one[1] <= 0.35 * gpipe[1], (one, gpipe)
