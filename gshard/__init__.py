@@ -17,6 +17,7 @@ Public API::
 """
 
 from gshard import checkpoint, distributed
+from gshard.auto import auto_shard  # noqa: F401  (layouts found by an exact search)
 from gshard._mesh import make_mesh
 from gshard.annotate import replicate, shard, split
 from gshard.coverage import Coverage, coverage
