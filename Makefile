@@ -1,6 +1,9 @@
 # gshard developer entry points. Needs only Python 3.11 and make.
 #   make venv   create .venv (if missing) and install gshard[test] with exact pins
-#   make test   run the test suite on 8 emulated CPU devices
+#   make test   run the test suite on 8 emulated CPU devices, in 2 worker
+#               processes (pytest-xdist; each has its own 8 devices): a file
+#               runs in one worker. PYTEST_WORKERS=0 runs in this process;
+#               PYTEST_ARGS adds arguments (make test PYTEST_ARGS=tests/test_moe.py)
 #   make demo   run examples/demo.py
 #   make bench  run the benchmarks and write docs/benchmarks*.md
 #   make fuzz   random programs through gshard and GSPMD (FUZZ_EXAMPLES=2000,
@@ -8,6 +11,8 @@
 #   make clean  remove caches and build artifacts (keeps .venv; see distclean)
 
 PYTHON ?= python3.11
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -28,7 +33,7 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	touch $@
 
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) examples/demo.py

@@ -3,6 +3,13 @@
 The suite runs on 8 emulated CPU devices, so that meshes such as (2, 4) or (8,)
 exist on any laptop or CI box. XLA reads XLA_FLAGS once, when the backend is
 first created, so the flag must be in the environment before jax is imported.
+
+``make test`` runs the suite in 2 pytest-xdist worker processes
+(``-n 2 --dist loadfile``). Each worker is a fresh interpreter that imports
+this file before any test module, so each sets the flag and gets its own 8
+devices (checked below, per process); a test file runs in one worker, so its
+module fixtures and jit caches are built once. The "ci" hypothesis profile is
+loaded in every worker, so every worker's examples are derandomized.
 """
 
 import os
@@ -26,11 +33,14 @@ import jax  # noqa: E402  (must come after XLA_FLAGS is set)
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+# In this process (an xdist worker, PYTEST_XDIST_WORKER=gw0, gw1, ..., or the
+# only one): the flag took effect.
 assert len(jax.devices()) == _DEVICE_COUNT, (
     f"expected {_DEVICE_COUNT} devices, got {jax.devices()}: jax was imported "
     f"before tests/conftest.py could set XLA_FLAGS={os.environ['XLA_FLAGS']!r}, "
     f"or JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r} selects a platform "
-    "with a different number of devices"
+    f"with a different number of devices (worker "
+    f"{os.environ.get('PYTEST_XDIST_WORKER', 'none')})"
 )
 
 # Hypothesis: "ci" (default) is reproducible and bounded; jax compilation makes

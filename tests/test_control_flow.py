@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard
 from examples import models as M
+from helpers_numerics import check_steps
 from helpers_partition import assert_named_sharding, assert_trees_close, mesh
 
 pytestmark = pytest.mark.filterwarnings("error::gshard.PartitionWarning")
@@ -109,16 +110,18 @@ def test_scanned_gpt_sgd_steps_equal_one_device():
   params = numpy_params(M.gpt_scan_init, n_layers=3, **GPT_SIZES)
   specs = M.gpt_scan_specs(params)
   step = gshard.partition(SCAN_SGD, m, in_specs=(specs, P("data"), P("data")))
-  ref_step = jax.jit(SCAN_SGD)
-  got = want = params
   batch = gpt_batch()
   losses = []
-  for i in range(3):
-    got, loss = step(got, *batch)
-    want, ref_loss = ref_step(want, *batch)
-    assert_trees_close((got, loss), (want, ref_loss), rtol=2e-5, atol=2e-5,
-                       what=f"step {i}")
-    losses.append(float(loss))
+
+  def logged(*args):
+    out = step(*args)
+    losses.append(float(out[-1]))
+    return out
+
+  # against a float64 run, within the bound the 1-device f32 run's error gives
+  # (helpers_numerics); the longest sums are over the 64 tokens, the 64 words
+  got, _ = check_steps(logged, jax.jit(SCAN_SGD), jax.jit(SCAN_SGD), (params,), batch,
+                       n=batch[0].size)
   assert losses[2] < losses[0]          # it trains
   flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
   for k, (leaf, spec) in enumerate(zip(jax.tree.leaves(got), flat_specs)):
@@ -159,12 +162,19 @@ def test_scanned_layer_stack_keeps_its_loops():
 
   c2, c8 = low2.collectives(), low8.collectives()
   assert len(c2) == len(c8)
-  in_loop = 0
+  in_loop = []
   for a, b in zip(c2, c8):
     assert (a.kind, a.axes, a.primitive, a.shape) == (b.kind, b.axes, b.primitive, b.shape)
     assert b.bytes in (a.bytes, 4 * a.bytes), (str(a), str(b))
-    in_loop += b.bytes == 4 * a.bytes != a.bytes
-  assert in_loop > 0
+    if b.bytes == 4 * a.bytes != a.bytes:
+      in_loop.append(a)
+  # in the loop: each stacked parameter's gradient summed over data, once per
+  # layer (one layer's slice), and over model only activations [B, T(, D)]
+  layers = jax.eval_shape(lambda: M.gpt_scan_init(jax.random.PRNGKey(0), n_layers=2,
+                                                  **GPT_SIZES))["layers"]
+  assert sorted(c.shape for c in in_loop if "data" in c.axes) == sorted(
+      x.shape[1:] for x in jax.tree.leaves(layers))
+  assert {c.shape for c in in_loop if c.axes == ("model",)} == {(8, 8, 32), (8, 8)}
 
 
 def test_unscanned_stack_grows_with_depth():

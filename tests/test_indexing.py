@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gshard
+from helpers_numerics import check_steps
 from helpers_partition import assert_named_sharding, assert_trees_close, hlo_collectives, mesh
 
 pytestmark = pytest.mark.filterwarnings("error::gshard.PartitionWarning")
@@ -142,11 +143,9 @@ def test_embedding_sgd_step_keeps_the_table_split():
 
   step = gshard.partition(step_fn, m, in_specs=(P("model"), P("data")),
                           out_specs=(P("model"), P()))
-  got = want = table
-  for _ in range(3):
-    got, loss = step(got, tokens)
-    want, ref_loss = jax.jit(step_fn)(want, tokens)
-    assert_trees_close((got, loss), (want, ref_loss))
+  # against a float64 run, within the bound the 1-device f32 run's error gives
+  # (helpers_numerics); the longest sum is the loss's mean over w's elements
+  check_steps(step, jax.jit(step_fn), jax.jit(step_fn), (table,), (tokens,), n=w.size)
   assert "all_gather" not in kinds(step.lower(table, tokens))
 
 

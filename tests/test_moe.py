@@ -22,7 +22,8 @@ import gshard
 from examples import models as M
 from examples import moe_transformer as MT
 from gshard.moe import expert_capacity, moe_apply, moe_init, moe_specs
-from helpers_partition import assert_trees_close, hlo_collectives, mesh
+from helpers_numerics import AdamSpec, assert_close_to_f64, f64_run
+from helpers_partition import hlo_collectives, mesh
 
 M_, H_ = 16, 32          # d_model, expert hidden
 
@@ -57,9 +58,20 @@ def test_layer_partitioned_equals_unpartitioned(shape, names, model_axis, num_se
   specs = (moe_specs("expert", model_axis), P("expert"), P())
   got = gshard.partition(step, m, in_specs=specs)(params, x, key)
   want = jax.jit(step)(params, x, key)
-  assert_trees_close(got, want, rtol=2e-5, atol=2e-5)
-  (_, metrics), _ = want
-  assert float(metrics.tokens_per_expert.sum()) > 0
+  # the loss sums G * S * M = 2048 squares: the longest reduction
+  assert_close_to_f64(got, want, f64_run(jax.jit(step), params, x, key), n=x.size)
+  # the same routing: (token, expert) assignments are counts, equal exactly; a
+  # routed token has 1 to num_selected of them, a dropped one none
+  (_, m_got), _ = got
+  (_, m), _ = want
+  np.testing.assert_array_equal(np.asarray(m_got.tokens_per_expert),
+                                np.asarray(m.tokens_per_expert))
+  tokens = x.shape[0] * x.shape[1]
+  routed = (1 - float(m.dropped_fraction)) * tokens
+  assigned = float(m.tokens_per_expert.sum())
+  assert routed <= assigned <= num_selected * routed
+  assert num_selected == 2 or assigned == routed
+  assert routed >= tokens / 2, "capacity factor 2: most tokens find a slot"
 
 
 def _analytic_all_to_all_bytes(experts, groups, capacity, n, itemsize=4):
@@ -79,11 +91,15 @@ def test_one_layer_train_step_has_four_all_to_alls_of_analytic_size(groups, expe
   capacity = expert_capacity(16, experts, capacity_factor=2.0)
   want = _analytic_all_to_all_bytes(experts, groups, capacity, n=8)
   assert [c.bytes for c in a2a] == [want] * 4, lowered.explain()
-  # dispatch and combine: the [E, G, C, M] tensor moves between G split and E split
-  g_split, e_split = ((), ("expert",), (), ()), (("expert",), (), (), ())
-  assert sorted((c.src.dims, c.dst.dims) for c in a2a) == sorted(
-      [(g_split, e_split)] * 2 + [(e_split, g_split)] * 2)
-  assert all(c.shape == (experts, groups, capacity, M_) for c in a2a)
+  # dispatch and combine, forward and backward: a tensor of the [E, G, C, M]
+  # volume (the backward may hold its dims in another order) moves between
+  # split on its G dim and split on its E dim, twice each way
+  def split_size(c, s):
+    (dim,) = [i for i, d in enumerate(s.dims) if d == ("expert",)]
+    return c.shape[dim]
+  moves = sorted((split_size(c, c.src), split_size(c, c.dst)) for c in a2a)
+  assert moves == sorted([(groups, experts)] * 2 + [(experts, groups)] * 2), moves
+  assert all(sorted(c.shape) == sorted((experts, groups, capacity, M_)) for c in a2a)
   assert not [c for c in cols if c.kind == "all_gather"], lowered.explain()
   assert not lowered.fallbacks
   # everything else is small: the gating and aux-loss reductions and the
@@ -128,16 +144,23 @@ def test_two_d_mesh_all_to_all_over_expert_psum_over_model(shape):
 SMALL = dict(vocab=64, d_model=32, n_heads=4, n_layers=2, d_ff=64, d_expert=32)
 
 
+# Adam, as examples/moe_transformer.py trains: where (params, opt_state, loss,
+# extra) keeps its moments, and its hyperparameters (helpers_numerics derives
+# the parameters' bound through Adam's update, which amplifies gradient noise
+# near g = 0)
+ADAM = optax.adam(3e-3)
+ADAM_SPEC = AdamSpec(params="[0]", mu="[1][0].mu", nu="[1][0].nu", count="[1][0].count",
+                     lr=3e-3)
+BATCH, SEQ = 8, 8
+
+
 def _transformer(shape, names):
   model_axis = "model" if len(shape) == 2 else None
   params = MT.init(jax.random.PRNGKey(0), num_experts=shape[0], **SMALL)
-  # SGD: Adam's first step is lr * g/|g|, which magnifies float noise in
-  # gradients near zero (reductions run in another order on 8 devices)
-  optimizer = optax.sgd(0.1)
-  step = MT.make_step(optimizer, model_axis=model_axis)
+  step = MT.make_step(ADAM, model_axis=model_axis)
   specs = (MT.specs(params, "expert", model_axis), None, P("expert"), P("expert"), P())
-  tokens, targets = M.synthetic_batch(jax.random.PRNGKey(1), 8, 8, SMALL["vocab"])
-  args = (params, optimizer.init(params), tokens, targets, jax.random.PRNGKey(2))
+  tokens, targets = M.synthetic_batch(jax.random.PRNGKey(1), BATCH, SEQ, SMALL["vocab"])
+  args = (params, ADAM.init(params), tokens, targets, jax.random.PRNGKey(2))
   return step, specs, args
 
 
@@ -147,13 +170,16 @@ def _transformer(shape, names):
 def test_moe_transformer_train_step_partitioned_equals_unpartitioned(shape, names):
   step, specs, args = _transformer(shape, names)
   part = gshard.partition(step, mesh(shape, names), in_specs=specs)
-  ref = jax.jit(step)
-  got, want = args, args
-  for i in range(2):        # two steps, a new routing key each
-    key = jax.random.PRNGKey(10 + i)
-    got = part(*got[:2], *args[2:4], key)
-    want = ref(*want[:2], *args[2:4], key)
-    assert_trees_close(got, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
+  ref, exact = jax.jit(step), jax.jit(step)        # exact: traced in f64
+  state = args[:2]
+  for i in range(2):        # two Adam steps, a new routing key each
+    batch = (*args[2:4], jax.random.PRNGKey(10 + i))
+    out = part(*state, *batch)
+    want = ref(*jax.tree.map(np.asarray, state), *batch)
+    # from the same input state; the longest sum is the tokens' (or vocabulary's)
+    assert_close_to_f64(out, want, f64_run(exact, *state, *batch), n=BATCH * SEQ,
+                        old=state, adam=ADAM_SPEC, what=f"step {i}: ")
+    state = out[:2]
   lowered = part.lower(*args)
   cols = lowered.collectives()
   a2a = [c for c in cols if c.kind == "all_to_all"]
@@ -165,21 +191,27 @@ def test_moe_transformer_train_step_partitioned_equals_unpartitioned(shape, name
 
 
 def test_moe_apply_errors():
-  params = moe_init(jax.random.PRNGKey(0), 8, 16, 4)
+  # shapes only (jax.eval_shape): the checks run at trace time, nothing compiles
+  params = jax.eval_shape(lambda: moe_init(jax.random.PRNGKey(0), 8, 16, 4))
+
+  def apply(x, **kw):
+    return jax.eval_shape(lambda p, x: moe_apply(p, x, **kw), params, x)
   with pytest.raises(ValueError, match=r"x must be \[G, S, M\].*got shape \(4, 8\)"):
-    moe_apply(params, jnp.zeros((4, 8)), second_policy="all")
+    apply(jax.ShapeDtypeStruct((4, 8), jnp.float32), second_policy="all")
   with pytest.raises(ValueError, match="num_selected must be 1 or 2, got 3"):
-    moe_apply(params, jnp.zeros((2, 4, 8)), num_selected=3)
-  y, aux, _ = moe_apply(params, jnp.ones((2, 4, 8)), second_policy="all")
+    apply(jax.ShapeDtypeStruct((2, 4, 8), jnp.float32), num_selected=3)
+  y, aux, _ = apply(jax.ShapeDtypeStruct((2, 4, 8), jnp.float32), second_policy="all")
   assert y.shape == (2, 4, 8) and aux.shape == ()
 
 
 def test_moe_apply_bf16_activations():
-  params = jax.tree.map(lambda w: w.astype(jnp.bfloat16),
-                        moe_init(jax.random.PRNGKey(0), 8, 16, 4))
+  # jitted: eagerly, every operation of the layer would compile a program of its own
+  apply = jax.jit(lambda p, x: moe_apply(p, x, second_policy="all"))
+  f32 = jax.jit(moe_init, static_argnums=(1, 2, 3))(jax.random.PRNGKey(0), 8, 16, 4)
+  params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), f32)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 8)).astype(jnp.bfloat16)
-  y, aux, _ = moe_apply(params, x, second_policy="all")
+  y, aux, _ = apply(params, x)
   assert y.dtype == jnp.bfloat16 and aux.dtype == jnp.float32
   f32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-  y32, _, _ = moe_apply(f32, x.astype(jnp.float32), second_policy="all")
+  y32, _, _ = apply(f32, x.astype(jnp.float32))
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y32), atol=0.1)

@@ -243,16 +243,43 @@ def test_gates_normalised_and_softmax_in_float32():
 
 
 def test_aux_loss_scaling_and_gradient():
+  # each gating and gradient jitted: eagerly, every operation compiles on its own
+  aux = jax.jit(lambda z, scaling: top2_gating(z, second_policy="all",
+                                                aux_loss_scaling=scaling).aux_loss,
+                static_argnums=1)
   logits = jnp.zeros((3, 16, 8))            # a uniform router
-  paper = top2_gating(logits, second_policy="all").aux_loss
-  lingvo = top2_gating(logits, second_policy="all", aux_loss_scaling="lingvo").aux_loss
+  paper, lingvo = aux(logits, "paper"), aux(logits, "lingvo")
   np.testing.assert_allclose(float(paper), 1 / 64, rtol=1e-6)
   np.testing.assert_allclose(float(lingvo), 1.0, rtol=1e-6)
+  # The gradients, against the softmax's Jacobian written out in float64: with
+  # p = softmax(z) per token, d/dz of sum_e a_e p_e is p * (a - sum_e a_e p_e).
   logits = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 4))
-  grad = jax.grad(lambda z: top2_gating(z, second_policy="all").aux_loss)(logits)
-  assert np.all(np.isfinite(grad)) and np.abs(grad).sum() > 0
-  grad = jax.grad(lambda z: jnp.sum(top1_gating(z).combine_weights))(logits)
-  assert np.abs(grad).sum() > 0             # top-1 weights are raw gates
+  p = np.exp(np.asarray(logits, np.float64))
+  p /= p.sum(-1, keepdims=True)
+  groups, tokens, experts = logits.shape
+
+  def softmax_vjp(a):
+    return p * (a - np.sum(a * p, axis=-1, keepdims=True))
+
+  # aux = mean over (g, e) of density[g, e] * mean_s p[g, s, e]; the density (the
+  # top-1 fraction) has no gradient: a[g, s, e] = density[g, e] / (G E S)
+  grad = jax.jit(jax.grad(aux), static_argnums=1)(logits, "paper")
+  density = np.eye(experts)[p.argmax(-1)].mean(axis=1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(grad),
+                             softmax_vjp(np.broadcast_to(density, p.shape)
+                                         / (groups * experts * tokens)),
+                             rtol=1e-5, atol=1e-9)
+  # top-1 weights are raw gates: the sum of the kept tokens' p[e1] has gradient
+  # a = onehot(e1) through the softmax, a = 0 for a token over capacity (C = 2)
+  def top1_total(z):
+    result = top1_gating(z, min_capacity=1)
+    return jnp.sum(result.combine_weights), result.dispatch_mask
+
+  grad, dispatch = jax.jit(jax.grad(top1_total, has_aux=True))(logits)
+  kept = np.asarray(dispatch).any(axis=(2, 3))
+  assert 0 < kept.sum() < kept.size           # both kinds of token are covered
+  a = np.eye(experts)[p.argmax(-1)] * kept[..., None]
+  np.testing.assert_allclose(np.asarray(grad), softmax_vjp(a), rtol=1e-5, atol=1e-7)
 
 
 def test_random_policy_is_reproducible_and_drops_weak_second_choices():

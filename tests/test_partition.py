@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import gshard
 from examples import models as M
 from gshard.spmd.registry import sharding_rule
+from helpers_numerics import AdamSpec, check_steps
 from helpers_partition import (assert_named_sharding, assert_trees_close,
                                check_shards_against_reference, hlo_collectives, mesh)
 
@@ -40,20 +41,6 @@ def line_of(fn, text: str) -> int:
   return hits[0]
 
 
-def run_steps(step, ref_step, state, batch, n: int = 3, rtol=1e-5, atol=1e-5):
-  """Run both ``n`` steps from the same state; compare state and loss each step.
-
-  ``step(*state, *batch)`` returns ``(*new_state, loss)``.
-  """
-  got, want = tuple(state), tuple(state)
-  for i in range(n):
-    out = step(*got, *batch)
-    ref = ref_step(*want, *batch)
-    assert_trees_close(out, ref, rtol=rtol, atol=atol, what=f"step {i}")
-    got, want = tuple(out[:-1]), tuple(ref[:-1])
-  return out
-
-
 # -- the Megatron MLP ----------------------------------------------------------
 
 def mlp_batch(batch=16, d_model=32, seed=1):
@@ -64,6 +51,8 @@ def mlp_batch(batch=16, d_model=32, seed=1):
 
 MLP_STEP = M.sgd_step(M.mlp_loss)
 MLP_REF = jax.jit(MLP_STEP)
+MLP_EXACT = jax.jit(MLP_STEP)        # traced in f64 by f64_run
+MLP_N = 16 * 32                      # the loss's mean over mlp_batch: the longest sum
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8), (8, 1)])
@@ -71,7 +60,7 @@ def test_mlp_sgd_equals_one_device(shape):
   m = mesh(shape, ("data", "model"))
   params = M.mlp_init(jax.random.PRNGKey(0), 32, 128)
   step = gshard.partition(MLP_STEP, m, in_specs=(M.MLP_SPECS, P("data"), None))
-  out = run_steps(step, MLP_REF, (params,), mlp_batch())
+  out = check_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
   low = step.lower(params, *mlp_batch())
   for k, (x, s) in enumerate(zip(jax.tree.leaves(out), low.out_shardings)):
     assert_named_sharding(x, m, s.to_spec(), f"output {k}")
@@ -84,7 +73,7 @@ def test_mlp_data_parallel_1d_mesh():
   m = mesh((8,), ("data",))
   params = M.mlp_init(jax.random.PRNGKey(0), 32, 128)
   step = gshard.partition(MLP_STEP, m, in_specs=(None, P("data"), None))
-  run_steps(step, MLP_REF, (params,), mlp_batch())
+  check_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
   low = step.lower(params, *mlp_batch())
   assert [s.to_spec() for s in low.in_shardings[:2]] == [P(None, None)] * 2
   kinds = {(c.kind, c.axes) for c in low.collectives()}
@@ -101,7 +90,7 @@ def test_mlp_tensor_parallel_1d_mesh():
   params = M.mlp_init(jax.random.PRNGKey(0), 32, 128)
   sgd = M.sgd_step(_mlp_loss_unannotated)
   step = gshard.partition(sgd, m, in_specs=(M.MLP_SPECS, None, None))
-  run_steps(step, jax.jit(sgd), (params,), mlp_batch())
+  check_steps(step, jax.jit(sgd), jax.jit(sgd), (params,), mlp_batch(), n=MLP_N)
   cols = step.lower(params, *mlp_batch()).collectives()
   assert {c.kind for c in cols} == {"psum"} and all(c.axes == ("model",) for c in cols)
 
@@ -112,7 +101,7 @@ def test_mlp_3d_mesh_hidden_split_over_two_axes():
   specs = {"w1": P(None, ("model", "x")), "w2": P(("model", "x"), None)}
   params = M.mlp_init(jax.random.PRNGKey(0), 32, 128)
   step = gshard.partition(MLP_STEP, m, in_specs=(specs, P("data"), None))
-  out = run_steps(step, MLP_REF, (params,), mlp_batch())
+  out = check_steps(step, MLP_REF, MLP_EXACT, (params,), mlp_batch(), n=MLP_N)
   assert out[0]["w1"].sharding.spec == P(None, ("model", "x"))
   assert not [c for c in step.lower(params, *mlp_batch()).collectives()
               if c.kind == "all_gather"]
@@ -122,6 +111,8 @@ def test_mlp_3d_mesh_hidden_split_over_two_axes():
 
 GPT_SGD = M.sgd_step(M.gpt_loss)
 GPT_SGD_REF = jax.jit(GPT_SGD)
+GPT_SGD_EXACT = jax.jit(GPT_SGD)     # traced in f64 by f64_run
+GPT_N = 8 * 16                       # gpt_batch's tokens
 
 
 def gpt_batch(batch=8, seq=16, vocab=128):
@@ -144,13 +135,16 @@ def test_gpt_sgd_equals_one_device(shape, names):
   params = M.gpt_init(jax.random.PRNGKey(0))
   step = gshard.partition(GPT_SGD, m,
                           in_specs=(M.gpt_specs(params), P("data"), P("data")))
-  out = run_steps(step, GPT_SGD_REF, (params,), gpt_batch())
+  out = check_steps(step, GPT_SGD_REF, GPT_SGD_EXACT, (params,), gpt_batch(), n=GPT_N)
   low = step.lower(params, *gpt_batch())
   for k, (x, s) in enumerate(zip(jax.tree.leaves(out), low.out_shardings)):
     assert_named_sharding(x, m, s.to_spec(), f"output {k}")
 
 
 ADAM = optax.adam(3e-3)
+# where (params, opt_state, loss) keeps Adam's moments, and its hyperparameters
+ADAM_SPEC = AdamSpec(params="[0]", mu="[1][0].mu", nu="[1][0].nu", count="[1][0].count",
+                     lr=3e-3)
 
 
 def _gpt_adam_step(params, opt_state, tokens, targets):
@@ -166,7 +160,8 @@ def test_gpt_adam_equals_one_device(shape):
   opt_state = ADAM.init(params)
   step = gshard.partition(_gpt_adam_step, m,
                           in_specs=(M.gpt_specs(params), None, P("data"), P("data")))
-  out = run_steps(step, jax.jit(_gpt_adam_step), (params, opt_state), gpt_batch())
+  out = check_steps(step, jax.jit(_gpt_adam_step), jax.jit(_gpt_adam_step),
+                  (params, opt_state), gpt_batch(), n=GPT_N, adam=ADAM_SPEC)
   # the moments follow their parameters' layout
   mu = out[1][0].mu
   assert mu["embed"].sharding.spec == out[0]["embed"].sharding.spec
@@ -295,8 +290,9 @@ def test_missing_rule_warns_with_primitive_and_source_line():
   assert f"{THIS_FILE}:{line}:" in low.fallbacks[0][1]
   report = low.explain()
   assert "safe path" in report and f"fft at {low.fallbacks[0][1]}" in report
-  gathered = [c for c in low.collectives() if c.primitive == "fft"]
-  assert gathered and all(c.kind == "all_gather" for c in gathered)
+  # the safe path gathers fft's operand over the axis it is split on, model
+  assert [(c.kind, c.axes, c.role, c.fallback) for c in low.collectives()
+          if c.primitive == "fft"] == [("all_gather", ("model",), "operand 0", True)]
 
 
 def test_missing_rule_strict_raises_with_the_same_message():
@@ -482,21 +478,38 @@ def test_lowered_inspection_api():
 
   compiled = low.compile()
   assert "HloModule" in compiled.as_text() and "all-reduce" in compiled.as_text()
-  mem = compiled.memory_analysis()
-  assert mem is not None and mem.argument_size_in_bytes > 0
+  # memory and cost are the per-device program's: its arguments are the local
+  # blocks (w1, w2 [32, 32], x, y [8, 32]) ...
+  leaves = jax.tree.leaves((params, *batch))
+  local = [math.prod(x.shape) // math.prod(m.shape[a] for a in s.axes)
+           for x, s in zip(leaves, low.in_shardings)]
+  assert compiled.memory_analysis().argument_size_in_bytes == 4 * sum(local) == 10240
+  # ... and its flops at least those of its five [8, 32] x [32, 32] matmuls
+  # (forward two, backward three: no input gradient), with less than as much
+  # again elementwise work; one tanh (gelu) per element of the local hidden h
   cost = compiled.cost_analysis()
-  assert cost
+  matmuls = 5 * 2 * 8 * 32 * 32
+  assert matmuls <= cost["flops"] < 2 * matmuls, cost
+  assert cost["transcendentals"] == 8 * 32, cost
   out = compiled(*[jax.device_put(x, NamedSharding(m, s.to_spec()))
                    for x, s in zip(jax.tree.leaves((params, *batch)), low.in_shardings)])
   assert_trees_close(jax.tree.leaves(MLP_REF(params, *batch)), list(out))
 
+  # every variable of the global program has a sharding of its rank; the inputs'
+  # are the in_shardings
   shardings = low.shardings()
-  assert shardings
-  assert all(isinstance(s, gshard.TensorSharding) for s in shardings.values())
+  assert all(isinstance(s, gshard.TensorSharding) and s.rank == len(var.aval.shape)
+             for (_, var), s in shardings.items())
+  assert set(low.in_shardings) <= set(shardings.values())
   assert any(s.partial for s in shardings.values())   # a pending sum was kept somewhere
 
+  # the Megatron MLP's: the forward partial sum over model, and over data the
+  # loss (mean: div) and the two weight gradients (4096 B: a [32, 32] block)
   cols = low.collectives()
-  assert cols and all(isinstance(c, gshard.Collective) for c in cols)
+  assert all(isinstance(c, gshard.Collective) for c in cols)
+  assert sorted((c.kind, c.axes, c.primitive, c.bytes) for c in cols) == [
+      ("psum", ("data",), "div", 4), ("psum", ("data",), "mul", 4096),
+      ("psum", ("data",), "mul", 4096), ("psum", ("model",), "dot_general", 1536)]
   line = line_of(M.mlp_loss, 'out = h @ params["w2"]')
   fwd = [c for c in cols if c.axes == ("model",)]
   assert len(fwd) == 1 and fwd[0].kind == "psum" and fwd[0].primitive == "dot_general"

@@ -9,13 +9,16 @@ propagation decide, an ``AbstractMesh`` works like a device mesh.
 """
 
 import collections
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 from jax import lax
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import gshard
@@ -207,8 +210,11 @@ BATCH, SEQ = 4, 8
 VOCAB, D_MODEL, HEADS, D_HEAD, D_FF = 128, 64, 4, 16, 256
 
 
-def _gpt_setup():
-  params = models.gpt_init(jax.random.key(0), vocab=VOCAB, d_model=D_MODEL,
+def _gpt_setup(abstract: bool = False):
+  """(params, step, args) of the GPT Adam step; ``abstract``: shapes only
+  (``jax.ShapeDtypeStruct`` s, nothing computed)."""
+  def init():
+    return models.gpt_init(jax.random.key(0), vocab=VOCAB, d_model=D_MODEL,
                            n_heads=HEADS, n_layers=2, d_ff=D_FF)
   opt = optax.adam(1e-3)
 
@@ -217,13 +223,18 @@ def _gpt_setup():
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
+  if abstract:
+    params = jax.eval_shape(init)
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    return params, step, (params, jax.eval_shape(opt.init, params), tokens, tokens)
+  params = init()
   tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
-  return params, opt, step, (params, opt.init(params), tokens, tokens)
+  return params, step, (params, opt.init(params), tokens, tokens)
 
 
 @pytest.fixture(scope="module")
 def gpt(mesh):
-  params, _, step, args = _gpt_setup()
+  params, step, args = _gpt_setup()
   specs = (models.gpt_specs(params), None, P("data"), P("data"))
   return gshard.infer_shardings(step, mesh, in_specs=specs)(*args), step, args
 
@@ -239,7 +250,7 @@ def _param_shardings(params):
 
 
 def test_gpt_param_shardings_read_as_intended():
-  params, *_ = _gpt_setup()
+  params, *_ = _gpt_setup(abstract=True)
   want = _param_shardings(params)
   assert want["['embed']"] == f"f32[{VOCAB}@model,{D_MODEL}]"
   assert want["['layers'][0]['wq']"] == f"f32[{D_MODEL},{HEADS}@model,{D_HEAD}]"
@@ -279,7 +290,7 @@ def test_gpt_optimizer_state_inputs_follow_params(gpt):
 
 
 def test_gpt_gradients(mesh):
-  params, _, _, args = _gpt_setup()
+  params, _, args = _gpt_setup()
   fn = jax.value_and_grad(models.gpt_loss)
   res = gshard.infer_shardings(
       fn, mesh, in_specs=(models.gpt_specs(params), P("data"), P("data")))(*args[:1], *args[2:])
@@ -446,27 +457,73 @@ def test_conflict_settled_by_cost(mesh):
   assert eqn_table(res)[-1] == ("add", "f32[4,8@data]")
 
 
-def test_conflict_tie_is_deterministic(mesh):
+def test_conflict_without_tie_follows_operand_0_through_the_result(mesh):
+  """Not a tie: the forward sweep gives the result operand 0's split first, so
+  operand 0's candidate has two holders to the other's one, whichever it is."""
   def f(x, y):
     return x + y
   args = (jnp.ones((8, 16)), jnp.ones((8, 16)))
-  res = gshard.infer_shardings(f, mesh, in_specs=(P("data"), P("model")))(*args)
-  (c,) = res.conflicts
-  assert c.reason == "lower resharding cost: 512 vs 1024 bytes"
-  # swapping the operands swaps nothing in the outcome's kind: the first tensor wins ties
-  res2 = gshard.infer_shardings(f, mesh, in_specs=(P("model"), P("data")))(*args)
-  assert eqn_table(res2)[-1] == ("add", "f32[8@model,16]")
+  for first, second in (("data", "model"), ("model", "data")):
+    res = gshard.infer_shardings(f, mesh, in_specs=(P(first), P(second)))(*args)
+    (c,) = res.conflicts
+    assert c.candidates == (("operand 0 f32[8,16]", (first,)),
+                            ("operand 1 f32[8,16]", (second,)),
+                            ("result 0 f32[8,16]", (first,)))
+    assert (c.chosen, c.reason) == ((first,), "lower resharding cost: 512 vs 1024 bytes")
+    assert eqn_table(res)[-1] == ("add", f"f32[8@{first},16]")
 
 
-def test_deterministic(mesh):
-  params, _, step, args = _gpt_setup()
+def _tie(first: str, second: str):
+  """A genuine tie: ``x @ w`` on a 2x2 mesh with x's contracted dim over
+  ``first`` and w's over ``second``; x [8, 16] and w [16, 8] have equal bytes
+  and the axes equal sizes, so resharding either operand costs the same."""
+  m = AbstractMesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  return gshard.infer_shardings(lambda x, w: x @ w, m, in_specs=(P(None, first), P(second)))(
+      jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32))
+
+
+def test_conflict_tie_goes_to_the_earlier_tensor():
+  for first, second in (("data", "model"), ("model", "data")):
+    (c,) = _tie(first, second).conflicts
+    assert c.reason == "tie: the more specific, then the earlier tensor"
+    assert c.candidates == (("operand 0 f32[8,16]", (first,)),
+                            ("operand 1 f32[16,8]", (second,)))
+    assert c.chosen == (first,)
+
+
+def propagation_report() -> str:
+  """What propagation decides, printed: the tie both ways round, and the GPT
+  Adam step of (b) twice in this process (``jax.ShapeDtypeStruct`` arguments,
+  an ``AbstractMesh``: nothing is compiled). Run in subprocesses by
+  ``test_results_do_not_depend_on_the_hash_seed``."""
+  def show(res):
+    return "\n".join([res.pretty(source=False), *map(str, res.conflicts),
+                      f"sweeps {res.sweeps}"])
+
+  params, step, args = _gpt_setup(abstract=True)
+  m = AbstractMesh(MESH_SHAPE, MESH_NAMES, axis_types=(AxisType.Auto,) * 2)
   specs = (models.gpt_specs(params), None, P("data"), P("data"))
-  runs = [gshard.infer_shardings(step, mesh, in_specs=specs)(*args) for _ in range(2)]
-  a, b = ([(str(k[0]), str(t.sharding)) for k, t in r.graph.tensors.items()] for r in runs)
-  assert [s for _, s in a] == [s for _, s in b]
-  assert runs[0].pretty(source=False) == runs[1].pretty(source=False)
-  assert [str(c) for c in runs[0].conflicts] == [str(c) for c in runs[1].conflicts]
-  assert runs[0].sweeps == runs[1].sweeps
+  gpt = [show(gshard.infer_shardings(step, m, in_specs=specs)(*args)) for _ in range(2)]
+  assert gpt[0] == gpt[1], "two propagations of the GPT step differ in one process"
+  return "\n".join([show(_tie("data", "model")), show(_tie("model", "data")), gpt[0]])
+
+
+def test_results_do_not_depend_on_the_hash_seed():
+  """Sets of mesh axis names iterate in an order that ``PYTHONHASHSEED``
+  decides: propagation must not follow it. The report (a genuine tie, and the
+  GPT step propagated twice per process) is the same in this process and in
+  two others with fixed, different seeds."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  code = "import test_propagate as t; print(t.propagation_report())"
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)]),
+         "JAX_PLATFORMS": "cpu"}
+  want = propagation_report()
+  assert want.count("(tie: the more specific, then the earlier tensor)") == 2
+  for seed in ("1", "2"):
+    run = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True,
+                         text=True, env={**env, "PYTHONHASHSEED": seed}, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.rstrip("\n") == want, f"PYTHONHASHSEED={seed}"
 
 
 @pytest.mark.parametrize("specs, want_in", [

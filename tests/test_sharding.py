@@ -210,11 +210,22 @@ def test_axis_used_twice(dims, partial, axis):
   assert str(e.value).startswith(f"TensorSharding(dims={tuple(map(tuple, dims))}")
 
 
-def test_validate_ok():
-  validate(ts("data", "model", partial=()), (8, 8), MESH)
-  validate(ts(None, partial={"model"}), (8,), MESH)
-  # validate checks names and rank; an uneven split is allowed (it is padded).
-  validate(ts("model"), (3,), MESH)
+@pytest.mark.parametrize("ok, shape, neighbour, message", [
+    # (a sharding that fits, the shape, the same with one thing changed, its error)
+    (ts("data", "model"), (8, 8), ts("data", "expert"),
+     "x: mesh axis 'expert' is not in the mesh (data=2, model=4)"),
+    (ts(None, partial={"model"}), (8,), ts(None, partial={"model", "seq"}),
+     "x: mesh axis 'seq' is not in the mesh (data=2, model=4)"),
+    # validate checks names and rank; an uneven split is allowed (it is padded)
+    (ts("model"), (3,), ts("model", None),
+     "x: the sharding P('model', None) has 2 entries but the value has shape (3,)"),
+])
+def test_validate_accepts_what_fits_and_rejects_its_neighbour(ok, shape, neighbour, message):
+  """``validate`` returns None for a fitting sharding, and is not a function
+  that accepts everything: one name or one entry changed, it raises."""
+  assert validate(ok, shape, MESH, what="x") is None
+  with pytest.raises(ValueError, match=re.escape(message)):
+    validate(neighbour, shape, MESH, what="x")
 
 
 def test_validate_rank():

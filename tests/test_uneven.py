@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import gshard
+from helpers_numerics import check_steps
 from helpers_partition import assert_named_sharding, assert_trees_close, mesh
 
 pytestmark = pytest.mark.filterwarnings("error::gshard.PartitionWarning")
@@ -135,14 +136,11 @@ def test_uneven_vocabulary_sgd_steps():
 
   step = gshard.partition(sgd, m, in_specs=(P("model"), P("data"), P("data")),
                           out_specs=(P("model"), P()))
-  ref = jax.jit(sgd)
-  got = want = table
-  for i in range(3):
-    got, loss = step(got, tokens, targets)
-    want, ref_loss = ref(want, tokens, targets)
-    assert got.shape == (50, 16)
-    assert_trees_close((got, loss), (want, ref_loss), rtol=2e-5, atol=2e-5,
-                       what=f"step {i}")
+  # against a float64 run, within the bound the 1-device f32 run's error gives
+  # (helpers_numerics); the longest sum is the softmax's over the 50 words
+  got, _ = check_steps(step, jax.jit(sgd), jax.jit(sgd), (table,), (tokens, targets),
+                       n=table.shape[0])
+  assert got.shape == (50, 16)
 
 
 # -- uneven in_specs and out_specs -------------------------------------------------

@@ -100,23 +100,27 @@ def moe_apply(params, x, *, expert_axis="expert", model_axis=None, num_selected:
       second_policy=second_policy, key=key, aux_loss_scaling=aux_loss_scaling)
   dispatch = gating.dispatch_mask.astype(x.dtype)
   combine = gating.combine_weights.astype(x.dtype)
-  # Each all-to-all is pinned between two annotations: computed where the
-  # tokens are (G split), then moved to the experts (E split); the way back
-  # mirrors it. The backward pass transposes both, so its cotangents move by
-  # all-to-all too, and the gradient of the combine weights is computed on G.
-  # With the paper's single split(dispatched, E), that gradient is computed on
-  # E and needs a fifth all-to-all back to G.
+  # The paper's annotations: tokens split on G, the gate replicated, the
+  # dispatched tensor split on E. Propagation and the partitioner find the
+  # rest: dispatch and combine are one all-to-all each way (forward and
+  # backward), the experts run where their weights are.
   dispatched = jnp.einsum("GSEC,GSM->EGCM", dispatch, x)
-  dispatched = split(dispatched, 1, expert_axis)
+  if model_axis is not None:
+    # With the expert FFN split over model too, each all-to-all is pinned
+    # between two annotations (computed where the tokens are, then moved to
+    # the experts; the way back mirrors it): propagation alone would compute
+    # the combine weights' gradient on E and move it back (a fifth all-to-all).
+    dispatched = split(dispatched, 1, expert_axis)
   dispatched = split(dispatched, 0, expert_axis)
   h = activation(jnp.einsum("EGCM,EMH->EGCH", dispatched, wi))
   if model_axis is not None:
     h = shard(h, P(expert_axis, None, None, model_axis))
   expert_out = jnp.einsum("EGCH,EHM->EGCM", h, wo)
-  expert_out = split(expert_out, 0, expert_axis)
-  expert_out = split(expert_out, 1, expert_axis)
+  if model_axis is not None:
+    expert_out = split(split(expert_out, 0, expert_axis), 1, expert_axis)
   y = jnp.einsum("GSEC,EGCM->GSM", combine, expert_out)
-  y = split(y, 0, expert_axis)
+  if model_axis is not None:
+    y = split(y, 0, expert_axis)
   return y, gating.aux_loss, gating.metrics
 
 

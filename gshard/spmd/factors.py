@@ -186,30 +186,35 @@ def view(t: Held | None):
 
 
 def solve(rule: FactorRule, operands: Sequence[Held | None],
-          results: Sequence[Held | None], mesh) -> dict[str, Axes]:
+          results: Sequence[Held | None], mesh, defer_ties: bool = False) -> dict[str, Axes]:
   """Per-factor axes for one rule over these tensors, each mesh axis given to one
   factor (the better supported one; a contested axis goes where it sends fewer
   bytes, by exact reshard plans).
+
+  With ``defer_ties``, two factors that want one mesh axis with equal support
+  (no pin, the same bytes either way) get neither: the choice is left to
+  other constraints (propagation's first phase: a weight gradient then takes
+  the layout its optimizer update needs, not the first operand's).
 
   Pure in the tensors' shardings, pins, shapes and dtypes: memoised on them,
   so the repeated layers of a model are solved once.
   """
   try:
     key = (rule, tuple(map(view, operands)), tuple(map(view, results)),
-           tuple(mesh.items()))
+           tuple(mesh.items()), defer_ties)
     hash(key)
   except TypeError:        # a dtype jax cannot hash: solve it anew
-    return _solve(rule, operands, results, mesh)
+    return _solve(rule, operands, results, mesh, defer_ties)
   return dict(_solve_memo(*key))
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _solve_memo(rule, operands, results, mesh_items) -> tuple:
-  return tuple(_solve(rule, operands, results, dict(mesh_items)).items())
+def _solve_memo(rule, operands, results, mesh_items, defer_ties) -> tuple:
+  return tuple(_solve(rule, operands, results, dict(mesh_items), defer_ties).items())
 
 
 def _solve(rule: FactorRule, operands: Sequence[Held | None],
-           results: Sequence[Held | None], mesh) -> dict[str, Axes]:
+           results: Sequence[Held | None], mesh, defer_ties: bool = False) -> dict[str, Axes]:
   hold, pairs = holders(rule, operands, results, mesh)
   choice: dict[str, Axes] = {}
   strength = {}
@@ -227,17 +232,26 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
   for f in sorted(choice, key=lambda f: strength[f]):
     keep: list[str] = []
     for a in choice[f]:
+      if a in owner and owner[a] is None:    # left to other constraints
+        break
       g = owner.get(a)
       if g is not None:
         # Two factors want one axis: keep the assignment that sends less.
         stay = {**done, f: tuple(keep)}
         cut = done[g][:done[g].index(a)]
         take = {**done, g: cut, f: tuple(keep) + (a,)}
-        if _assignment_bytes(take, pairs, rule, mesh) < _assignment_bytes(stay, pairs, rule,
-                                                                          mesh):
+        take_bytes = _assignment_bytes(take, pairs, rule, mesh)
+        stay_bytes = _assignment_bytes(stay, pairs, rule, mesh)
+        if take_bytes < stay_bytes:
           for b in done[g][len(cut):]:
             owner.pop(b, None)
           done[g] = cut
+        elif (defer_ties and take_bytes == stay_bytes and strength[f][0] == 0
+              and strength[f][:2] == strength[g][:2]):
+          for b in done[g][len(cut):]:      # a tie: neither factor takes the axis
+            owner[b] = None
+          done[g] = cut
+          break
         else:
           break
       keep.append(a)

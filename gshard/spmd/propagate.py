@@ -80,10 +80,10 @@ def refine(t: Tensor, new_dims: Sequence[Axes], mesh) -> bool:
   return True
 
 
-def step(bound: Bound, mesh) -> bool:
+def step(bound: Bound, mesh, defer_ties: bool = False) -> bool:
   """One constraint step: solve its factors, refine its tensors. Whether any changed."""
   rule = bound.rule
-  choice = factors.solve(rule, bound.operands, bound.results, mesh)
+  choice = factors.solve(rule, bound.operands, bound.results, mesh, defer_ties)
   changed = False
   for t, dims in zip(bound.operands + bound.results, rule.operands + rule.results):
     if t is None or len(t.fixed) == len(t.shape):
@@ -146,8 +146,12 @@ def _role(bound: Bound, t: Tensor) -> str:
 def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
   """Sweep forward and backward to a fixed point; returns (sweeps, conflicts).
 
-  The first sweep visits every constraint; later sweeps (alternating
-  direction) only those touching a tensor that changed since their last visit.
+  Two phases, each to its fixed point: first, a mesh axis two factors of one
+  constraint want with equal support goes to neither (other constraints,
+  later in the program, decide it: a weight gradient takes the layout its
+  optimizer update needs); then every tie is settled (the earlier factor).
+  Within a phase the first sweep visits every constraint; later sweeps
+  (alternating direction) only those touching a tensor that changed.
   """
   mesh = graph.mesh_sizes
   touching: dict[int, list[int]] = {}
@@ -155,21 +159,23 @@ def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
     for t in b.operands + b.results:
       if t is not None:
         touching.setdefault(id(t), []).append(i)
-  dirty = set(range(len(graph.bounds)))
   sweeps = 0
-  while dirty:
-    if sweeps >= MAX_SWEEPS:
-      raise RuntimeError(f"propagation did not converge in {MAX_SWEEPS} sweeps")
-    order = sorted(dirty, reverse=sweeps % 2 == 1)
-    dirty = set()
-    for i in order:
-      b = graph.bounds[i]
-      before = [(t, t.sharding) for t in b.operands + b.results if t is not None]
-      if step(b, mesh):
-        for t, old in before:
-          if t.sharding != old:
-            dirty.update(j for j in touching[id(t)] if j != i)
-    sweeps += 1
+  for defer in (True, False):
+    dirty = set(range(len(graph.bounds)))
+    first = sweeps
+    while dirty:
+      if sweeps >= MAX_SWEEPS:
+        raise RuntimeError(f"propagation did not converge in {MAX_SWEEPS} sweeps")
+      order = sorted(dirty, reverse=(sweeps - first) % 2 == 1)
+      dirty = set()
+      for i in order:
+        b = graph.bounds[i]
+        before = [(t, t.sharding) for t in b.operands + b.results if t is not None]
+        if step(b, mesh, defer):
+          for t, old in before:
+            if t.sharding != old:
+              dirty.update(j for j in touching[id(t)] if j != i)
+      sweeps += 1
   for t, axes in mark_partials(graph).items():
     t.sharding = t.sharding.with_partial(axes)
   return sweeps, _conflicts(graph)
