@@ -15,6 +15,7 @@ One call (:func:`auto_shard`) runs, for the arguments given:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import time
@@ -34,10 +35,12 @@ from gshard.auto.memory import ProgramMemory
 from gshard.auto.plan import Choice, Cost, Plan
 from gshard.auto.search import Options, search
 from gshard.auto.solve import Infeasible
+
+MEMORY_ROUNDS = 4   # solves with the budget tightened by the compiled memory
 from gshard.spmd.graph import Graph
 from gshard.spmd.infer import flatten_specs, spec_to_pin, trace
 from gshard.spmd.inspect import format_bytes
-from gshard.spmd.partition.api import Partitioned
+from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
 
 
@@ -104,8 +107,10 @@ class AutoShard:
   def __init__(self, fn: Callable, mesh, in_specs=None, memory_limit=None,
                bandwidth: Mapping[str, float] | None = None, latency: float = 1024.0,
                min_bytes: int = 4096, time_limit: float = 60.0,
-               runner_up_seconds: float = 30.0, tie_layers: bool = True):
+               runner_up_seconds: float = 30.0, tie_layers: bool = True,
+               check_memory: bool = True):
     self.fn = fn
+    self.check_memory = bool(check_memory)
     self.mesh = mesh
     self.mesh_sizes = mesh_sizes_of(mesh)
     _check_options(self.mesh_sizes, memory_limit, bandwidth, latency, min_bytes,
@@ -138,48 +143,78 @@ class AutoShard:
         s, open_dims = spec_to_pin(spec, np.shape(leaf), ms, where)
         graph.pin(graph.tensor((), var), s, open_dims, where)
     secs["trace"] = time.perf_counter() - t0
-    try:
-      found = search(graph, jaxpr, ms, self.opts, paths)
-    except Infeasible as e:
-      raise self._infeasible(e.minimum, leaves, paths) from None
-    secs.update(found.seconds)
-    prob, choice = found.problem, found.choice
-    t1 = time.perf_counter()
-    inputs = []
-    for var in jaxpr.invars:
-      t = graph.tensors.get(((), var))
-      s = prob.layout(t, choice) if t is not None else TensorSharding.replicated(0)
-      inputs.append((var, s))
-    real = R.realize(jaxpr, ms, prob, choice, inputs, self.opts.min_bytes)
-    secs["realize"] = time.perf_counter() - t1
-    tree = jax.tree_util.tree_structure(tuple(args))
-    in_specs = jax.tree_util.tree_unflatten(tree, [s.to_spec() for _, s in inputs])
-    t2 = time.perf_counter()
     structs = _structs(args)
     evaluate = self._evaluator(structs)
-    cost = evaluate(in_specs, real.annotations, graph=real.graph, jaxpr=jaxpr)
-    secs["check"] = time.perf_counter() - t2
-    choices = self._choices(found, jaxpr, leaves, paths, len(args))
-    return Plan(in_specs, real.annotations, cost, found.bytes, choices, dict(ms),
-                self.opts.memory_limit, secs, found.size, found.status, evaluate)
+    limit = self.opts.memory_limit
+    budget, least = limit, None
+    for _ in range(MEMORY_ROUNDS):
+      opts = dataclasses.replace(self.opts, memory_limit=budget)
+      try:
+        found = search(graph, jaxpr, ms, opts, paths)
+      except Infeasible as e:
+        # the model's minimum, scaled back to compiled bytes
+        m = e.minimum * (limit / budget if budget else 1.0)
+        raise self._infeasible(m if least is None else min(m, least)) from None
+      for k, v in found.seconds.items():
+        secs[k] = secs.get(k, 0.0) + v
+      prob, choice = found.problem, found.choice
+      t1 = time.perf_counter()
+      inputs = []
+      for var in jaxpr.invars:
+        t = graph.tensors.get(((), var))
+        s = prob.layout(t, choice) if t is not None else TensorSharding.replicated(0)
+        inputs.append((var, s))
+      real = R.realize(jaxpr, ms, prob, choice, inputs, self.opts.min_bytes)
+      secs["realize"] = secs.get("realize", 0.0) + time.perf_counter() - t1
+      tree = jax.tree_util.tree_structure(tuple(args))
+      in_specs = jax.tree_util.tree_unflatten(tree, [s.to_spec() for _, s in inputs])
+      t2 = time.perf_counter()
+      annotations = real.annotations
+      if annotations:
+        # the solver's model is a model: keep the annotations only where the
+        # partitioned program sends fewer bytes with them than without
+        with_ = evaluate(in_specs, annotations, graph=real.graph, jaxpr=jaxpr, compiled=False)
+        if evaluate(in_specs, [], compiled=False).bytes <= with_.bytes:
+          annotations = []
+      cost = evaluate(in_specs, annotations, compiled=self.check_memory)
+      secs["check"] = secs.get("check", 0.0) + time.perf_counter() - t2
+      measured = cost.compiled_memory
+      if limit is None or measured is None or measured <= limit:
+        break
+      # XLA keeps more than the model counts: the model's budget becomes this
+      # plan's modelled memory scaled by limit / measured, and it is solved again
+      least = measured if least is None else min(least, measured)
+      budget = min(budget, found.memory.peak) * limit / measured * (1 - 1e-3)
+    else:
+      raise self._infeasible(least)
+    choices = self._choices(found, jaxpr, paths, len(args))
+    return Plan(in_specs, annotations, cost, found.bytes, choices, dict(ms),
+                limit, secs, found.size, found.status, evaluate)
 
   # -- pieces ------------------------------------------------------------------
   def _evaluator(self, structs):
     """``evaluate(in_specs, annotations)``: bytes sent by gshard's partitioned
     program and the memory predicted from its propagated layouts."""
-    def evaluate(in_specs, annotations, graph=None, jaxpr=None) -> Cost:
-      part = Partitioned(annotate(self.fn, annotations), self._abstract_mesh(), in_specs)
+    def evaluate(in_specs, annotations, graph=None, jaxpr=None, compiled=True) -> Cost:
+      fn = annotate(self.fn, annotations)
+      part = Partitioned(fn, self._abstract_mesh(), in_specs)
       prog = part.program(*structs)
       prog.per_device()
       cols = tuple(prog.recorder.collectives)
       if graph is None:
         graph, jaxpr = prog.result.graph, prog.result.jaxpr.jaxpr
       used = ProgramMemory(graph, jaxpr, self.mesh_sizes).of(R.layout_in(graph))
+      measured = None
+      if compiled and not isinstance(self.mesh, (AbstractMesh, Mapping)):
+        m = partition(fn, self.mesh, in_specs=in_specs).lower(*structs).compile()
+        m = m.memory_analysis()
+        measured = float(m.temp_size_in_bytes + m.argument_size_in_bytes
+                         + m.output_size_in_bytes - m.alias_size_in_bytes)
       return Cost(float(sum(c.bytes for c in cols)), used.peak, used.arguments,
-                  used.activations, cols)
+                  used.activations, cols, measured)
     return evaluate
 
-  def _choices(self, found, jaxpr, leaves, paths, nargs) -> list[Choice]:
+  def _choices(self, found, jaxpr, paths, nargs) -> list[Choice]:
     prob, choice = found.problem, found.choice
     names = _arg_names(self.fn, nargs)
     by_var: dict[int, list[int]] = {}
@@ -206,23 +241,22 @@ class AutoShard:
     out.sort(key=lambda c: -c.held)
     return out
 
-  def _infeasible(self, minimum: float, leaves, paths) -> ValueError:
+  def _infeasible(self, minimum: float) -> ValueError:
     limit = self.opts.memory_limit
-    total = sum(math.prod(np.shape(x)) * L.itemsize(jax.numpy.result_type(x))
-                for x in leaves)
     return ValueError(
         f"memory_limit={format_bytes(limit)} ({limit:.0f} bytes) per device: no layout "
         f"of {self.__name__}'s arguments on mesh {mesh_str(self.mesh_sizes)} fits. The "
-        f"least memory any layout found reaches is {format_bytes(minimum)} per device "
-        f"(the arguments alone are {format_bytes(total)} unsplit). Raise memory_limit to "
-        f"at least {minimum:.0f}, use a mesh with more devices, or make the batch "
-        "smaller.")
+        f"smallest memory per device any layout reached is {format_bytes(minimum)} "
+        f"({minimum:.0f} bytes). Raise memory_limit to at least {minimum:.0f}, use a mesh "
+        "with more devices, a smaller batch, or remat (jax.checkpoint) to keep fewer "
+        "activations.")
 
 
 def auto_shard(fn: Callable, mesh, *, in_specs=None, memory_limit: float | None = None,
                bandwidth: Mapping[str, float] | None = None, latency: float = 1024.0,
                min_bytes: int = 4096, time_limit: float = 60.0,
-               runner_up_seconds: float = 30.0, tie_layers: bool = True) -> AutoShard:
+               runner_up_seconds: float = 30.0, tie_layers: bool = True,
+               check_memory: bool = True) -> AutoShard:
   """Find layouts for ``fn``'s arguments (and the few annotations it needs).
 
   Args:
@@ -231,7 +265,8 @@ def auto_shard(fn: Callable, mesh, *, in_specs=None, memory_limit: float | None 
     in_specs: optional pytree prefix of the arguments with PartitionSpecs: these
       layouts are constraints (``None`` and ``P.UNCONSTRAINED`` dims are free).
       Annotations in ``fn`` are constraints too.
-    memory_limit: bytes one device may hold (arguments + activations), or None.
+    memory_limit: bytes one device may hold (arguments + activations, as the
+      compiled program's ``memory_analysis()`` counts them), or None.
     bandwidth: relative bandwidth per mesh axis (default 1.0 each); bytes sent
       over an axis weigh ``1 / bandwidth``.
     latency: bytes a collective costs beyond what it sends (ties go to fewer
@@ -242,6 +277,9 @@ def auto_shard(fn: Callable, mesh, *, in_specs=None, memory_limit: float | None 
       runner-ups hold the rest of the plan fixed; marked ``~``).
     tie_layers: variables whose surroundings look alike (the copies of a
       repeated layer) share one choice: each layer is solved once.
+    check_memory: compile the partitioned program (on a concrete mesh) and
+      read ``memory_analysis()``; if it exceeds ``memory_limit``, solve again
+      with the model's budget tightened by the measured ratio.
 
   Returns:
     A function of the arguments (arrays or ``ShapeDtypeStruct``s) returning a
@@ -254,4 +292,4 @@ def auto_shard(fn: Callable, mesh, *, in_specs=None, memory_limit: float | None 
     step = gshard.partition(plan.annotate(train_step), mesh, in_specs=plan.in_specs)
   """
   return AutoShard(fn, mesh, in_specs, memory_limit, bandwidth, latency, min_bytes,
-                   time_limit, runner_up_seconds, tie_layers)
+                   time_limit, runner_up_seconds, tie_layers, check_memory)

@@ -52,18 +52,24 @@ class Choice:
 @dataclasses.dataclass(frozen=True)
 class Cost:
   """What a layout costs per device: bytes sent (by the partitioned program's
-  collectives), predicted memory (arguments + activations at the peak)."""
+  collectives), predicted memory (arguments + activations at the peak), and
+  the compiled program's memory (temp + arguments + outputs - aliased, from
+  ``memory_analysis()``; None when not compiled)."""
 
   bytes: float
   memory: float
   arguments: float
   activations: float
   collectives: tuple = ()
+  compiled_memory: float | None = None
 
   def __str__(self) -> str:
-    return (f"{format_bytes(self.bytes)} sent, {format_bytes(self.memory)} memory "
-            f"({format_bytes(self.arguments)} arguments + "
-            f"{format_bytes(self.activations)} activations) per device")
+    out = (f"{format_bytes(self.bytes)} sent, {format_bytes(self.memory)} memory "
+           f"({format_bytes(self.arguments)} arguments + "
+           f"{format_bytes(self.activations)} activations) per device")
+    if self.compiled_memory is not None:
+      out += f"; compiled: {format_bytes(self.compiled_memory)}"
+    return out
 
 
 @dataclasses.dataclass
