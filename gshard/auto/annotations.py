@@ -86,15 +86,11 @@ def annotate(fn: Callable, annotations: Sequence[Annotation]) -> Callable:
 
 
 def _run(jaxpr, consts, args, by_eqn):
-  env = {}
+  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
 
   def read(v):
     return v.val if isinstance(v, Literal) else env[v]
 
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
   for i, eqn in enumerate(jaxpr.eqns):
     params = eqn.primitive.get_bind_params(eqn.params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack

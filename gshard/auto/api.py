@@ -25,7 +25,6 @@ from numbers import Real
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh
-from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import mesh_context
 from gshard.auto import layouts as L
@@ -37,8 +36,7 @@ from gshard.auto.search import Options, search
 from gshard.auto.solve import Infeasible
 
 MEMORY_ROUNDS = 4   # solves with the budget tightened by the compiled memory
-from gshard.spmd.graph import Graph
-from gshard.spmd.infer import flatten_specs, spec_to_pin, trace
+from gshard.spmd.infer import flatten_specs, pinned_graph, trace
 from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
@@ -136,12 +134,7 @@ class AutoShard:
     with mesh_context(ms):
       closed, _ = trace(self.fn, args)
     jaxpr = closed.jaxpr
-    graph = Graph(jaxpr, ms)
-    for var, leaf, path, spec in zip(jaxpr.invars, leaves, paths, specs):
-      if spec is not None:
-        where = f"in_specs{path}"
-        s, open_dims = spec_to_pin(spec, np.shape(leaf), ms, where)
-        graph.pin(graph.tensor((), var), s, open_dims, where)
+    graph = pinned_graph(jaxpr, ms, leaves, paths, specs)
     secs["trace"] = time.perf_counter() - t0
     structs = _structs(args)
     evaluate = self._evaluator(structs)
