@@ -44,6 +44,7 @@ bench: venv
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/dispatch.py
+	$(PY) benchmarks/auto.py
 
 FUZZ_EXAMPLES ?= 2000
 FUZZ_SEED     ?=

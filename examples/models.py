@@ -92,12 +92,16 @@ def _layer_norm(x, scale):
   return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale
 
 
-def _attention(x, layer):
+def _pin(x, spec, annotate: bool):
+  return gshard.shard(x, spec) if annotate else x
+
+
+def _attention(x, layer, annotate: bool = True):
   b, t, _ = x.shape
   q = jnp.einsum("btd,dhk->bthk", x, layer["wq"])
   k = jnp.einsum("btd,dhk->bthk", x, layer["wk"])
   v = jnp.einsum("btd,dhk->bthk", x, layer["wv"])
-  q = gshard.shard(q, P("data", None, "model", None))
+  q = _pin(q, P("data", None, "model", None), annotate)
   scores = jnp.einsum("bqhk,bthk->bhqt", q, k) / q.shape[-1] ** 0.5
   causal = jnp.tril(jnp.ones((t, t), dtype=bool))
   scores = jnp.where(causal, scores, -1e9)
@@ -106,22 +110,24 @@ def _attention(x, layer):
   return jnp.einsum("bqhk,hkd->bqd", out, layer["wo"])
 
 
-def gpt_logits(params, tokens):
-  """tokens: i32[B, T] -> logits f32[B, T, V]."""
-  tokens = gshard.split(tokens, 0, "data")
+def gpt_logits(params, tokens, annotate: bool = True):
+  """tokens: i32[B, T] -> logits f32[B, T, V]; ``annotate=False``: no gshard
+  annotations at all (for ``gshard.auto_shard`` to find the layouts)."""
+  if annotate:
+    tokens = gshard.split(tokens, 0, "data")
   x = params["embed"][tokens]
   for layer in params["layers"]:
-    x = x + _attention(_layer_norm(x, layer["ln1"]), layer)
+    x = x + _attention(_layer_norm(x, layer["ln1"]), layer, annotate)
     h = jax.nn.gelu(_layer_norm(x, layer["ln2"]) @ layer["w1"])
-    h = gshard.shard(h, P("data", None, "model"))
+    h = _pin(h, P("data", None, "model"), annotate)
     x = x + h @ layer["w2"]
   x = _layer_norm(x, params["ln_f"])
   return x @ params["embed"].T
 
 
-def gpt_loss(params, tokens, targets):
+def gpt_loss(params, tokens, targets, annotate: bool = True):
   """Mean next-token cross-entropy; tokens, targets: i32[B, T]."""
-  logits = gpt_logits(params, tokens)
+  logits = gpt_logits(params, tokens, annotate)
   logp = jax.nn.log_softmax(logits, axis=-1)
   gold = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   return -gold.mean()

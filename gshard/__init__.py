@@ -6,6 +6,7 @@ Public API::
   gshard.make_mesh                                 a mesh with Auto axes
   gshard.infer_shardings                           propagation over a whole program
   gshard.partition                                 the per-device program, run or lowered
+  gshard.auto_shard                                the layouts found by a solver (a Plan)
   gshard.TensorSharding                            the sharding value
   gshard.PaddedArray / gshard.unpad                uneven state kept split between calls
   gshard.coverage                                  which primitives take the safe path
@@ -17,6 +18,7 @@ Public API::
 """
 
 from gshard import checkpoint, distributed
+from gshard.auto import Plan, auto_shard
 from gshard._mesh import make_mesh
 from gshard.annotate import replicate, shard, split
 from gshard.coverage import Coverage, coverage
@@ -28,7 +30,7 @@ from gshard.spmd.partition.padded import PaddedArray, unpad
 from gshard.spmd.sharding import TensorSharding
 
 __all__ = ["Collective", "Coverage", "PaddedArray", "PartitionWarning", "Partitioned",
-           "ShardingResult", "TensorSharding", "checkpoint", "coverage", "distributed",
+           "Plan", "ShardingResult", "TensorSharding", "auto_shard", "checkpoint", "coverage", "distributed",
            "gspmd_jit", "infer_shardings", "make_mesh", "partition", "replicate", "shard",
            "split", "unpad"]
 __version__ = "0.1.0"

@@ -189,6 +189,18 @@ def trace(fn: Callable, args: Sequence[Any]):
       names.append(m.group(1))
 
 
+
+def pinned_graph(jaxpr, mesh_sizes, leaves, paths, specs) -> Graph:
+  """The propagation graph of ``jaxpr`` with the inputs pinned to their
+  ``in_specs`` (``flatten_specs``'s leaves, paths and specs; None: free)."""
+  graph = Graph(jaxpr, mesh_sizes)
+  for var, leaf, path, spec in zip(jaxpr.invars, leaves, paths, specs):
+    if spec is not None:
+      where = f"in_specs{path}"
+      sharding, open_dims = spec_to_pin(spec, np.shape(leaf), mesh_sizes, where)
+      graph.pin(graph.tensor((), var), sharding, open_dims, where)
+  return graph
+
 def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
             out_specs=None) -> ShardingResult:
   """Trace ``fn(*args)``, pin ``in_specs``/``out_specs``, propagate.
@@ -212,12 +224,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
   timings["trace"] = time.perf_counter() - t0
   t1 = time.perf_counter()
   jaxpr = closed.jaxpr
-  graph = Graph(jaxpr, mesh_sizes)
-  for var, leaf, path, spec in zip(jaxpr.invars, leaves, paths, specs):
-    if spec is not None:
-      where = f"in_specs{path}"
-      sharding, open_dims = spec_to_pin(spec, np.shape(leaf), mesh_sizes, where)
-      graph.pin(graph.tensor((), var), sharding, open_dims, where)
+  graph = pinned_graph(jaxpr, mesh_sizes, leaves, paths, specs)
   if out_specs is not None:
     out_leaves, out_paths, flat = flatten_specs(out_specs, out_shape, "out_specs")
     for var, leaf, path, spec in zip(jaxpr.outvars, out_leaves, out_paths, flat):

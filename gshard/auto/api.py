@@ -1,0 +1,288 @@
+"""``gshard.auto_shard``: find the layouts, check them with gshard itself, explain them.
+
+One call (:func:`auto_shard`) runs, for the arguments given:
+
+1. **trace** the function (``jax.make_jaxpr``) and build gshard's propagation
+   graph, with the user's ``in_specs`` and annotations as pins (constraints);
+2. **search** (``search.py``): the reduced problem and its exact solve under
+   the memory limit, then each argument's runner-up;
+3. **realize** (``realize.py``): the arguments' layouts as ``in_specs``, plus
+   the few annotations propagation needs to follow the solver elsewhere;
+4. **check**: partition the function with them (the real gshard, per-device
+   program traced, nothing compiled) and count its collectives' bytes; predict
+   its memory from the propagated layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import time
+from collections.abc import Callable, Mapping
+from numbers import Real
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from gshard.annotate import mesh_context
+from gshard.auto import layouts as L
+from gshard.auto import realize as R
+from gshard.auto.annotations import annotate
+from gshard.auto.memory import ProgramMemory
+from gshard.auto.plan import Choice, Cost, Plan
+from gshard.auto.search import Options, search
+from gshard.auto.solve import Infeasible
+
+MEMORY_ROUNDS = 4   # solves with the budget tightened by the compiled memory
+from gshard.spmd.infer import flatten_specs, pinned_graph, trace
+from gshard.spmd.inspect import format_bytes
+from gshard.spmd.partition.api import Partitioned, partition
+from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
+
+
+def _check_options(mesh_sizes, memory_limit, bandwidth, latency, min_bytes, time_limit):
+  if memory_limit is not None and (not isinstance(memory_limit, Real)
+                                   or isinstance(memory_limit, bool) or memory_limit <= 0):
+    raise ValueError(f"memory_limit={memory_limit!r}: give the bytes one device may hold "
+                     "(a positive number, e.g. 16 * 2**30), or None for no limit.")
+  for a, bw in (bandwidth or {}).items():
+    if a not in mesh_sizes:
+      raise ValueError(f"bandwidth names mesh axis {a!r}, which is not in the mesh "
+                       f"{mesh_str(mesh_sizes)}. Use one of {list(mesh_sizes)}.")
+    if not isinstance(bw, Real) or bw <= 0:
+      raise ValueError(f"bandwidth[{a!r}]={bw!r}: give a positive relative bandwidth "
+                       "(1.0 for the slowest axis, larger for faster ones).")
+  if not isinstance(latency, Real) or latency < 0:
+    raise ValueError(f"latency={latency!r}: give the bytes a collective costs beyond "
+                     "what it sends (a number >= 0).")
+  if not isinstance(min_bytes, Real) or min_bytes < 0:
+    raise ValueError(f"min_bytes={min_bytes!r}: give the size in bytes below which a "
+                     "value stays replicated (a number >= 0).")
+  if not isinstance(time_limit, Real) or time_limit <= 0:
+    raise ValueError(f"time_limit={time_limit!r}: give the seconds the integer program "
+                     "may run (a positive number).")
+
+
+def _arg_names(fn, n: int) -> list[str]:
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):
+    params = []
+  names = []
+  positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  rest = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+  for i in range(n):
+    if i < len(positional):
+      names.append(positional[i].name)
+    elif rest is not None:
+      names.append(f"{rest}[{i - len(positional)}]")
+    else:
+      names.append(f"args[{i}]")
+  return names
+
+
+def _leaf_name(path: str, names: list[str]) -> str:
+  """``[0]['w1']`` -> ``params['w1']``."""
+  if path.startswith("["):
+    end = path.index("]")
+    head = path[1:end]
+    if head.isdigit() and int(head) < len(names):
+      return names[int(head)] + path[end + 1:]
+  return path
+
+
+def _structs(args):
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+      if not isinstance(x, jax.ShapeDtypeStruct) else x, args)
+
+
+class AutoShard:
+  """``gshard.auto_shard(fn, mesh, ...)``: call it on the arguments to get a :class:`Plan`."""
+
+  def __init__(self, fn: Callable, mesh, in_specs=None, memory_limit=None,
+               bandwidth: Mapping[str, float] | None = None, latency: float = 1024.0,
+               min_bytes: int = 4096, time_limit: float = 60.0,
+               runner_up_seconds: float = 30.0, tie_layers: bool = True,
+               check_memory: bool = True):
+    self.fn = fn
+    self.check_memory = bool(check_memory)
+    self.mesh = mesh
+    self.mesh_sizes = mesh_sizes_of(mesh)
+    _check_options(self.mesh_sizes, memory_limit, bandwidth, latency, min_bytes,
+                   time_limit)
+    self.in_specs = in_specs
+    self.opts = Options(None if memory_limit is None else float(memory_limit),
+                        dict(bandwidth or {}), float(latency), int(min_bytes),
+                        float(time_limit), float(runner_up_seconds), bool(tie_layers))
+    self.__name__ = getattr(fn, "__name__", "fn")
+
+  def _abstract_mesh(self):
+    if isinstance(self.mesh, AbstractMesh):
+      return self.mesh
+    if isinstance(self.mesh, Mapping):
+      return AbstractMesh(tuple(self.mesh.values()), tuple(self.mesh))
+    return self.mesh.abstract_mesh
+
+  def __call__(self, *args) -> Plan:
+    secs: dict[str, float] = {}
+    t0 = time.perf_counter()
+    ms = self.mesh_sizes
+    leaves, paths, specs = flatten_specs(self.in_specs, tuple(args))
+    with mesh_context(ms):
+      closed, _ = trace(self.fn, args)
+    jaxpr = closed.jaxpr
+    graph = pinned_graph(jaxpr, ms, leaves, paths, specs)
+    secs["trace"] = time.perf_counter() - t0
+    structs = _structs(args)
+    evaluate = self._evaluator(structs)
+    limit = self.opts.memory_limit
+    budget, least = limit, None
+    for _ in range(MEMORY_ROUNDS):
+      opts = dataclasses.replace(self.opts, memory_limit=budget)
+      try:
+        found = search(graph, jaxpr, ms, opts, paths)
+      except Infeasible as e:
+        # the model's minimum, scaled back to compiled bytes
+        m = e.minimum * (limit / budget if budget else 1.0)
+        raise self._infeasible(m if least is None else min(m, least)) from None
+      for k, v in found.seconds.items():
+        secs[k] = secs.get(k, 0.0) + v
+      prob, choice = found.problem, found.choice
+      t1 = time.perf_counter()
+      inputs = []
+      for var in jaxpr.invars:
+        t = graph.tensors.get(((), var))
+        s = prob.layout(t, choice) if t is not None else TensorSharding.replicated(0)
+        inputs.append((var, s))
+      real = R.realize(jaxpr, ms, prob, choice, inputs, self.opts.min_bytes)
+      secs["realize"] = secs.get("realize", 0.0) + time.perf_counter() - t1
+      tree = jax.tree_util.tree_structure(tuple(args))
+      in_specs = jax.tree_util.tree_unflatten(tree, [s.to_spec() for _, s in inputs])
+      t2 = time.perf_counter()
+      annotations = real.annotations
+      if annotations:
+        # the solver's model is a model: keep the annotations only where the
+        # partitioned program sends fewer bytes with them than without
+        with_ = evaluate(in_specs, annotations, graph=real.graph, jaxpr=jaxpr, compiled=False)
+        if evaluate(in_specs, [], compiled=False).bytes <= with_.bytes:
+          annotations = []
+      cost = evaluate(in_specs, annotations, compiled=self.check_memory)
+      secs["check"] = secs.get("check", 0.0) + time.perf_counter() - t2
+      measured = cost.compiled_memory
+      if limit is None or measured is None or measured <= limit:
+        break
+      # XLA keeps more than the model counts: the model's budget becomes this
+      # plan's modelled memory scaled by limit / measured, and it is solved again
+      least = measured if least is None else min(least, measured)
+      budget = min(budget, found.memory.peak) * limit / measured * (1 - 1e-3)
+    else:
+      raise self._infeasible(least)
+    choices = self._choices(found, jaxpr, paths, len(args))
+    return Plan(in_specs, annotations, cost, found.bytes, choices, dict(ms),
+                limit, secs, found.size, found.status, evaluate)
+
+  # -- pieces ------------------------------------------------------------------
+  def _evaluator(self, structs):
+    """``evaluate(in_specs, annotations)``: bytes sent by gshard's partitioned
+    program and the memory predicted from its propagated layouts."""
+    def evaluate(in_specs, annotations, graph=None, jaxpr=None, compiled=True) -> Cost:
+      fn = annotate(self.fn, annotations)
+      part = Partitioned(fn, self._abstract_mesh(), in_specs)
+      prog = part.program(*structs)
+      prog.per_device()
+      cols = tuple(prog.recorder.collectives)
+      if graph is None:
+        graph, jaxpr = prog.result.graph, prog.result.jaxpr.jaxpr
+      used = ProgramMemory(graph, jaxpr, self.mesh_sizes).of(R.layout_in(graph))
+      measured = None
+      if compiled and not isinstance(self.mesh, (AbstractMesh, Mapping)):
+        m = partition(fn, self.mesh, in_specs=in_specs).lower(*structs).compile()
+        m = m.memory_analysis()
+        measured = float(m.temp_size_in_bytes + m.argument_size_in_bytes
+                         + m.output_size_in_bytes - m.alias_size_in_bytes)
+      return Cost(float(sum(c.bytes for c in cols)), used.peak, used.arguments,
+                  used.activations, cols, measured)
+    return evaluate
+
+  def _choices(self, found, jaxpr, paths, nargs) -> list[Choice]:
+    prob, choice = found.problem, found.choice
+    names = _arg_names(self.fn, nargs)
+    by_var: dict[int, list[int]] = {}
+    for i, var in enumerate(jaxpr.invars):
+      t = prob.graph.tensors.get(((), var))
+      vi = prob.var_of(t) if t is not None else None
+      if vi is not None:
+        by_var.setdefault(vi, []).append(i)
+    out = []
+    for vi, idx in by_var.items():
+      v = prob.vars[vi].item
+      first = prob.graph.tensors[((), jaxpr.invars[idx[0]])]
+      tensors = [prob.graph.tensors[((), jaxpr.invars[i])] for i in idx]
+      held = sum(L.local_bytes(t.shape, t.dtype, prob.layout(t, choice), self.mesh_sizes)
+                 for t in tensors)
+      ru = found.runner_ups.get(vi)
+      ru_spec = None
+      if ru is not None and ru.choice is not None:
+        ru_spec = v.layout_of(prob.member(first)[1], v.candidates[ru.choice]).to_spec()
+      out.append(Choice(tuple(_leaf_name(paths[i], names) for i in idx), tuple(first.shape),
+                        str(first.dtype), prob.layout(first, choice).to_spec(), float(held),
+                        ru_spec, ru.bytes if ru else math.inf, ru.memory if ru else math.inf,
+                        ru.exact if ru else True))
+    out.sort(key=lambda c: -c.held)
+    return out
+
+  def _infeasible(self, minimum: float) -> ValueError:
+    limit = self.opts.memory_limit
+    return ValueError(
+        f"memory_limit={format_bytes(limit)} ({limit:.0f} bytes) per device: no layout "
+        f"of {self.__name__}'s arguments on mesh {mesh_str(self.mesh_sizes)} fits. The "
+        f"smallest memory per device any layout reached is {format_bytes(minimum)} "
+        f"({minimum:.0f} bytes). Raise memory_limit to at least {minimum:.0f}, use a mesh "
+        "with more devices, a smaller batch, or remat (jax.checkpoint) to keep fewer "
+        "activations.")
+
+
+def auto_shard(fn: Callable, mesh, *, in_specs=None, memory_limit: float | None = None,
+               bandwidth: Mapping[str, float] | None = None, latency: float = 1024.0,
+               min_bytes: int = 4096, time_limit: float = 60.0,
+               runner_up_seconds: float = 30.0, tie_layers: bool = True,
+               check_memory: bool = True) -> AutoShard:
+  """Find layouts for ``fn``'s arguments (and the few annotations it needs).
+
+  Args:
+    fn: a function of arrays (a train step, say), annotated or not.
+    mesh: a jax ``Mesh`` / ``AbstractMesh`` (or ``gshard.make_mesh``).
+    in_specs: optional pytree prefix of the arguments with PartitionSpecs: these
+      layouts are constraints (``None`` and ``P.UNCONSTRAINED`` dims are free).
+      Annotations in ``fn`` are constraints too.
+    memory_limit: bytes one device may hold (arguments + activations, as the
+      compiled program's ``memory_analysis()`` counts them), or None.
+    bandwidth: relative bandwidth per mesh axis (default 1.0 each); bytes sent
+      over an axis weigh ``1 / bandwidth``.
+    latency: bytes a collective costs beyond what it sends (ties go to fewer
+      collectives).
+    min_bytes: values smaller than this stay replicated.
+    time_limit: seconds the integer program may run.
+    runner_up_seconds: seconds for the runner-up of each argument (after that,
+      runner-ups hold the rest of the plan fixed; marked ``~``).
+    tie_layers: variables whose surroundings look alike (the copies of a
+      repeated layer) share one choice: each layer is solved once.
+    check_memory: compile the partitioned program (on a concrete mesh) and
+      read ``memory_analysis()``; if it exceeds ``memory_limit``, solve again
+      with the model's budget tightened by the measured ratio.
+
+  Returns:
+    A function of the arguments (arrays or ``ShapeDtypeStruct``s) returning a
+    :class:`~gshard.auto.plan.Plan`.
+
+  Example::
+
+    plan = gshard.auto_shard(train_step, mesh, memory_limit=16 * 2**30)(*args)
+    print(plan)
+    step = gshard.partition(plan.annotate(train_step), mesh, in_specs=plan.in_specs)
+  """
+  return AutoShard(fn, mesh, in_specs, memory_limit, bandwidth, latency, min_bytes,
+                   time_limit, runner_up_seconds, tie_layers, check_memory)

@@ -1,0 +1,200 @@
+"""``gshard.auto_shard``: the layouts an expert would write, found by the solver.
+
+Each test states a regime (batch large, weights large, a memory limit, a MoE
+layer) and checks the layout the solver finds, its bytes against the hand
+layout measured the same way (``plan.evaluate``: gshard's partitioned program),
+its compiled memory against the limit, and that partitioned with the plan the
+step equals one device.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from examples import models
+from helpers_numerics import assert_close_to_f64, f64_run
+from helpers_partition import mesh
+
+S = jax.ShapeDtypeStruct
+F32 = jnp.float32
+QUICK = dict(runner_up_seconds=2.0)       # runner-ups are exact for a few seconds
+
+
+def mlp_loss(p, x, y):
+  """The Megatron MLP of examples/models.py, without its annotation."""
+  h = jax.nn.gelu(x @ p["w1"])
+  return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+mlp_step = models.sgd_step(mlp_loss)
+
+
+def mlp_args(batch, d, h):
+  return ({"w1": S((d, h), F32), "w2": S((h, d), F32)}, S((batch, d), F32),
+          S((batch, d), F32))
+
+
+def real(args, seed=0):
+  """Random arrays of the structs' shapes."""
+  leaves, tree = jax.tree.flatten(args)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [jax.random.normal(k, s.shape, s.dtype) * 0.1
+                                   for k, s in zip(keys, leaves)])
+
+
+def check_equal_to_one_device(fn, plan, m, args, n):
+  got = gshard.partition(plan.annotate(fn), m, in_specs=plan.in_specs)(*args)
+  want = jax.jit(fn)(*args)
+  assert_close_to_f64(got, want, f64_run(jax.jit(fn), *args), n=n)
+
+
+DP = ({"w1": P(), "w2": P()}, P("d"), P("d"))
+MEGATRON = ({"w1": P(None, "d"), "w2": P("d", None)}, P(), P())
+
+
+@pytest.fixture(scope="module")
+def m8():
+  return mesh((8,), ("d",))
+
+
+def test_data_parallel_when_the_batch_is_large(m8):
+  args = mlp_args(4096, 64, 256)
+  plan = gshard.auto_shard(mlp_step, m8, **QUICK)(*args)
+  params, x, y = plan.in_specs
+  assert params == {"w1": P(None, None), "w2": P(None, None)}
+  assert x == P("d", None) and y == P("d", None)
+  dp, meg = plan.evaluate(DP), plan.evaluate(MEGATRON)
+  assert plan.cost.bytes == pytest.approx(dp.bytes)
+  assert plan.cost.bytes < meg.bytes / 4
+
+
+def test_megatron_column_then_row_when_weights_dominate(m8):
+  args = mlp_args(16, 256, 1024)
+  plan = gshard.auto_shard(mlp_step, m8, **QUICK)(*args)
+  params, x, _ = plan.in_specs
+  assert params == {"w1": P(None, "d"), "w2": P("d", None)}
+  assert x == P(None, None)
+  assert plan.cost.bytes <= plan.evaluate(MEGATRON).bytes
+  assert plan.cost.bytes < plan.evaluate(DP).bytes / 10
+  check_equal_to_one_device(mlp_step, plan, m8, real(args), n=16 * 256)
+
+
+def test_weights_sharded_fsdp_style_when_the_memory_limit_requires_it(m8):
+  args = mlp_args(2048, 512, 1024)
+  free = gshard.auto_shard(mlp_step, m8, **QUICK)(*args)
+  dp = free.evaluate(DP)
+  limit = 10 * 2**20
+  assert dp.compiled_memory > limit and free.cost.compiled_memory > limit
+  plan = gshard.auto_shard(mlp_step, m8, memory_limit=limit, **QUICK)(*args)
+  params, x, y = plan.in_specs
+  # the batch stays split, and each weight is held split (gathered where used)
+  assert x == P("d", None) and y == P("d", None)
+  for spec in params.values():
+    assert "d" in spec
+  assert plan.cost.compiled_memory <= limit
+  fsdp = plan.evaluate(({"w1": P("d"), "w2": P("d")}, P("d"), P("d")))
+  assert plan.cost.bytes <= fsdp.bytes
+  # the memory model is a model: it orders layouts as XLA does, within 2x
+  assert plan.cost.memory <= plan.cost.compiled_memory <= 2.5 * plan.cost.memory
+  assert "memory limit 10.0 MiB" in str(plan)
+  check_equal_to_one_device(mlp_step, plan, m8, real(args), n=2048 * 512)
+
+
+def test_no_layout_fits_is_a_clear_error(m8):
+  with pytest.raises(ValueError) as e:
+    gshard.auto_shard(mlp_step, m8, memory_limit=2**20, **QUICK)(*mlp_args(2048, 512, 1024))
+  msg = str(e.value)
+  for part in ("memory_limit=1.0 MiB", "mesh (d=8)", "smallest memory per device",
+               "Raise memory_limit to at least"):
+    assert part in msg, msg
+
+
+def test_user_in_specs_and_annotations_are_constraints(m8):
+  args = mlp_args(16, 256, 1024)
+  pinned = ({"w1": P("d", None), "w2": None}, None, None)
+  plan = gshard.auto_shard(mlp_step, m8, in_specs=pinned, **QUICK)(*args)
+  assert plan.in_specs[0]["w1"] == P("d", None)
+
+  def annotated(p, x, y):        # the batch split, as a user would write it
+    return mlp_step(p, gshard.split(x, 0, "d"), y)
+  plan = gshard.auto_shard(annotated, m8, **QUICK)(*args)
+  assert plan.in_specs[1] == P("d", None)
+  assert plan.cost.bytes > 0
+
+
+def test_bad_options_are_errors(m8):
+  with pytest.raises(ValueError, match="memory_limit"):
+    gshard.auto_shard(mlp_step, m8, memory_limit=-1)
+  with pytest.raises(ValueError, match="mesh axis 'x'"):
+    gshard.auto_shard(mlp_step, m8, bandwidth={"x": 1.0})
+
+
+# -- GPT: Megatron attention and MLP ------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt():
+  m = mesh((1, 8), ("data", "model"))
+  params = models.gpt_init(jax.random.key(0), vocab=64, d_model=64, n_heads=8,
+                           n_layers=2, d_ff=256)
+  tokens, targets = models.synthetic_batch(jax.random.key(1), 4, 8, 64)
+  step = models.sgd_step(lambda p, a, b: models.gpt_loss(p, a, b, annotate=False))
+  plan = gshard.auto_shard(step, m, **QUICK)(params, tokens, targets)
+  return m, step, plan, (params, tokens, targets)
+
+
+def test_gpt_megatron_attention_and_mlp_when_weights_dominate(gpt):
+  m, step, plan, args = gpt
+  layers = plan.in_specs[0]["layers"]
+  for layer in layers:            # heads split, then the output projection on heads
+    assert layer["wq"] == layer["wk"] == layer["wv"] == P(None, "model", None)
+    assert layer["wo"] == P("model", None, None)
+    assert layer["w1"] == P(None, "model") and layer["w2"] == P("model", None)
+  hand = plan.evaluate((models.gpt_specs(args[0]), P("data"), P("data")))
+  # the same layers as the hand layout; the embedding is split on d_model, not
+  # the vocabulary (the solver's model of the gather prices that one higher)
+  assert plan.cost.bytes <= 1.2 * hand.bytes
+  text = str(plan)
+  assert "params['layers'][*]['wq'] x2" in text and "runner-up" in text
+  check_equal_to_one_device(step, plan, m, args, n=4 * 8)
+
+
+# -- MoE: expert parallelism --------------------------------------------------
+
+def moe_loss(p, x):
+  """A Switch (top-1) MoE layer in the GShard einsums, without annotations;
+  x: [G, S, M] tokens in groups."""
+  g, s, _ = x.shape
+  e = p["wg"].shape[1]
+  cap = 2 * s // e
+  gates = jax.nn.softmax(jnp.einsum("gsm,me->gse", x, p["wg"]), axis=-1)
+  mask = jax.nn.one_hot(jnp.argmax(gates, -1), e)                        # [G, S, E]
+  pos = (jnp.cumsum(mask, axis=1) - 1) * mask
+  slot = jax.nn.one_hot(pos.astype(jnp.int32), cap) * (mask * (pos < cap))[..., None]   # [G, S, E, C]
+  combine = slot * jnp.max(gates * mask, -1)[..., None, None]
+  dispatched = jnp.einsum("gsec,gsm->egcm", slot, x)
+  h = jax.nn.relu(jnp.einsum("egcm,emh->egch", dispatched, p["wi"]))
+  out = jnp.einsum("egch,ehm->egcm", h, p["wo"])
+  y = jnp.einsum("gsec,egcm->gsm", combine, out)
+  return jnp.mean((x + y) ** 2)
+
+
+def moe_step(p, x):
+  loss, grads = jax.value_and_grad(moe_loss)(p, x)
+  return jax.tree.map(lambda a, b: a - 0.1 * b, p, grads), loss
+
+
+def test_moe_expert_parallelism(m8):
+  e, mdim, hdim = 8, 64, 256
+  args = ({"wg": S((mdim, e), F32), "wi": S((e, mdim, hdim), F32),
+           "wo": S((e, hdim, mdim), F32)}, S((8, 32, mdim), F32))
+  plan = gshard.auto_shard(moe_step, m8, **QUICK)(*args)
+  params, x = plan.in_specs
+  assert params["wi"] == P("d", None, None) and params["wo"] == P("d", None, None)
+  assert x == P("d", None, None)
+  hand = plan.evaluate(({"wg": P(), "wi": P("d"), "wo": P("d")}, P("d")))
+  assert plan.cost.bytes <= hand.bytes
+  kinds = {c.kind for c in plan.cost.collectives}
+  assert "all_to_all" in kinds, kinds
+  check_equal_to_one_device(moe_step, plan, m8, real(args), n=8 * 32 * mdim)
