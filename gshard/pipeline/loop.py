@@ -401,7 +401,6 @@ def _initial_buffer(shape, dtype):
 def _pipelined(layer_fn, stacked, x, layout: Layout, k: int, m: int, axis: str, remat):
   v = layout.repeats
   ticks = forward_ticks(k, m, v)
-  num_ticks = ticks.num_ticks
   leaves, tree = jax.tree.flatten(stacked)
   per_leaf = [stage_major(a, layout, k, axis) for a in leaves]
   weights = [tree.unflatten([chunks[c] for chunks in per_leaf]) for c in range(v)]
