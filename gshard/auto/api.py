@@ -34,12 +34,12 @@ from gshard.auto.memory import ProgramMemory
 from gshard.auto.plan import Choice, Cost, Plan
 from gshard.auto.search import Options, search
 from gshard.auto.solve import Infeasible
-
-MEMORY_ROUNDS = 4   # solves with the budget tightened by the compiled memory
 from gshard.spmd.infer import flatten_specs, pinned_graph, trace
 from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
+
+MEMORY_ROUNDS = 4   # solves with the budget tightened by the compiled memory
 
 
 def _check_options(mesh_sizes, memory_limit, bandwidth, latency, min_bytes, time_limit):

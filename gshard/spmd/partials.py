@@ -20,6 +20,7 @@ producer is tried, and kept if the total bytes drop.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 from gshard.spmd import factors
 from gshard.spmd.graph import Bound, Graph, Tensor
@@ -82,12 +83,14 @@ def accepts(b: Bound, t: Tensor, pending=None) -> bool:
 
 
 class _Index:
-  """Where each tensor is produced and read: lets a round recompute a suffix."""
+  """Where each tensor is produced and read: lets a round recompute a suffix,
+  or only the bounds a change reaches."""
 
   def __init__(self, graph: Graph):
     self.producers: dict[Tensor, list[int]] = {}
     self.last_read: dict[Tensor, int] = {}
     self.consumers: dict[Tensor, list[Bound]] = {}
+    self.reads: dict[Tensor, list[int]] = {}      # indices of the bounds reading it
     for k, b in enumerate(graph.bounds):
       for t in b.results:
         if t is not None:
@@ -96,6 +99,13 @@ class _Index:
         if t is not None:
           self.last_read[t] = k
           self.consumers.setdefault(t, []).append(b)
+          if not self.reads.get(t) or self.reads[t][-1] != k:
+            self.reads.setdefault(t, []).append(k)
+    # A tensor produced once and read only after it: its marking is final when
+    # its producer runs, so a change can be followed bound by bound. (Others,
+    # a loop's carry, make a round recompute the whole suffix.)
+    self.regular = {t for t, ks in self.producers.items()
+                    if len(ks) == 1 and self.reads.get(t, [ks[0] + 1])[0] > ks[0]}
 
 
 def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
@@ -163,6 +173,77 @@ def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
   return _Round(pending, total, downstream, feeds, contrib)
 
 
+def _mark(b: Bound, r, mesh, resolved, pending, feeds):
+  """Bound ``b``'s marking: per result (tensor, pending, its psum's bytes, the
+  pending ancestors it fed), from the operands' state in ``pending``/``feeds``
+  (its results' entries in them are updated)."""
+  p = produced(b, mesh, pending, r)
+  anc = frozenset().union(*[feeds.get(o, frozenset()) | {o}
+                            for o in b.operands if o is not None and pending.get(o)])
+  recs = []
+  for t in b.results:
+    if t is None or t.fixed:
+      continue
+    raw = p - t.sharding.axes
+    q = frozenset() if t in resolved else raw
+    pending[t] = q
+    cost = 0.0
+    if q:
+      feeds[t] = anc
+    else:
+      feeds.pop(t, None)
+      if raw:
+        cost = _psum_cost(t, raw, mesh)
+    recs.append((t, q, cost, anc if (q or raw) else frozenset()))
+  return tuple(recs)
+
+
+def _follow(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
+            base: _Round, fresh: set[Tensor]) -> tuple[_Round, set[Tensor]] | None:
+  """``base`` with ``fresh`` newly resolved: only the bounds the change reaches
+  are marked again (the producers of ``fresh``, then the readers of every
+  value whose marking changed, in program order). Returns the round and the
+  values whose consumers' view changed; None when a value it reaches is not
+  regular (then the caller recomputes the suffix)."""
+  if not fresh <= index.regular:
+    return None
+  mesh = graph.mesh_sizes
+  pending, feeds = dict(base.pending), dict(base.feeds)
+  downstream, total = dict(base.downstream), base.total
+  contrib = list(base.contrib)
+  todo = sorted({index.producers[t][0] for t in fresh if t in index.producers})
+  queued = set(todo)
+  touched: set[Tensor] = set()
+  while todo:
+    k = heapq.heappop(todo)
+    b = graph.bounds[k]
+    old = contrib[k]
+    for t, q, cost, anc in old:
+      if cost:
+        total -= cost
+        for a in anc:
+          downstream[a] -= cost
+    before = {t: (pending.get(t), feeds.get(t)) for t, *_ in old}
+    recs = _mark(b, reduced[k], mesh, resolved, pending, feeds)
+    contrib[k] = recs
+    for t, q, cost, anc in recs:
+      if cost:
+        total += cost
+        for a in anc:
+          downstream[a] = downstream.get(a, 0.0) + cost
+      touched.add(t)
+      if before.get(t) != (pending.get(t), feeds.get(t)):
+        if t not in index.regular:
+          return None
+        for j in index.reads.get(t, ()):
+          if j not in queued:
+            queued.add(j)
+            heapq.heappush(todo, j)
+        touched.update(o for c in index.consumers.get(t, ()) for o in c.operands
+                       if o is not None)
+  return _Round(pending, total, downstream, feeds, contrib), touched
+
+
 def _settle(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
             base: _Round | None = None, fresh: set[Tensor] = frozenset()) -> _Round:
   """Resolve every value some consumer cannot take pending (``resolved`` grows).
@@ -173,15 +254,20 @@ def _settle(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
   there on are checked.
   """
   for _ in range(len(graph.tensors) + 1):
-    if base is None:
-      start = 0
+    followed = None if base is None else _follow(graph, resolved, reduced, index, base,
+                                                 set(fresh))
+    if followed is not None:
+      rnd, touched = followed
+      check = [(t, rnd.pending.get(t)) for t in touched]
     else:
-      start = min((index.producers[t][0] for t in fresh if t in index.producers),
-                  default=len(graph.bounds))
-    rnd = _forward(graph, resolved, reduced, index, base, start)
-    bad = {t for t, p in rnd.pending.items() if p and t not in resolved
-           and (start == 0 or index.producers[t][-1] >= start
-                or index.last_read.get(t, -1) >= start)
+      start = 0 if base is None else min(
+          (index.producers[t][0] for t in fresh if t in index.producers),
+          default=len(graph.bounds))
+      rnd = _forward(graph, resolved, reduced, index, base, start)
+      check = [(t, p) for t, p in rnd.pending.items()
+               if start == 0 or index.producers[t][-1] >= start
+               or index.last_read.get(t, -1) >= start]
+    bad = {t for t, p in check if p and t not in resolved
            and not all(accepts(b, t, rnd.pending) for b in index.consumers.get(t, ()))}
     if not bad:
       return rnd
