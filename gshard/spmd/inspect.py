@@ -192,7 +192,8 @@ def _choice_lines(choices: list[Choice], top: int) -> list[str]:
     lines.append(f"  {c.primitive} {c.signature}{times} at {c.source}")
     for o in sorted(c.options, key=lambda o: (not o.chosen, o.bytes)):
       mark = "chosen" if o.chosen else ""
-      lines.append(f"    {mark:>6} {format_bytes(sent(g, o)):>10}  {o}")
+      held = f" (holds {format_bytes(o.memory)} more per device)" if o.memory else ""
+      lines.append(f"    {mark:>6} {format_bytes(sent(g, o)):>10}  {o}{held}")
   if len(ranked) > top:
     lines.append(f"  ... {len(ranked) - top} more")
   return lines

@@ -39,12 +39,14 @@ class Option:
     bytes: bytes per device of its reshards (operands in, results out).
     moves: ``(role, collective kinds and axes)`` of each tensor it reshards.
     chosen: whether the partitioner ran this one.
+    memory: bytes per device its operand reshards add (a gathered operand).
   """
 
   label: str
   bytes: int
   moves: tuple[tuple[str, str], ...]
   chosen: bool = False
+  memory: int = 0
 
   def __str__(self) -> str:
     what = "; ".join(f"{r} {m}" for r, m in self.moves) or "no communication"
@@ -140,7 +142,12 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
   if len(plans) == 1:
     return plans[0]
   costs = [_plan_cost(mesh, ins, outs, p) for p in plans]
-  best = costs.index(min(costs))
+  # Option (c) runs only where it holds no more than the operands as they
+  # arrive (an all-to-all, not a gather): a gathered weight or activation is
+  # memory an expert's layout does not spend (GShard's caveat on (c)).
+  grows = [_operand_growth(mesh, ins, p) for p in plans]
+  eligible = [k for k in range(len(plans)) if k < 2 or not grows[k]]
+  best = min(eligible, key=lambda k: (costs[k], k))
   if not contraction:
     return plans[best]
   options, seen = [], set()
@@ -148,8 +155,28 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
     key = (tuple(p.operands), tuple(p.results))
     if key not in seen and costs[k] < _INFEASIBLE:
       seen.add(key)
-      options.append(_option(mesh, ins, outs, p, costs[k], k == best))
+      options.append(_option(mesh, ins, outs, p, costs[k], k == best, grows[k]))
   return dataclasses.replace(plans[best], options=tuple(options))
+
+
+def _operand_growth(mesh, ins, plan: LocalPlan) -> int:
+  """Bytes per device the plan's operand reshards add to what arrives."""
+  grow = 0
+  for v, s in zip(ins, plan.operands):
+    if s is not None and v.sharding != s:
+      size = np.dtype(v.dtype).itemsize if _numpy_dtype(v.dtype) else 4
+      before = math.prod(v.sharding.local_shape(v.shape, mesh)) * size
+      after = math.prod(s.local_shape(v.shape, mesh)) * size
+      grow += max(0, after - before)
+  return grow
+
+
+def _numpy_dtype(dtype) -> bool:
+  try:
+    np.dtype(dtype)
+  except TypeError:
+    return False
+  return True
 
 
 def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> None:
@@ -158,7 +185,7 @@ def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> None:
     ctx.note_choice(eqn, plan.options, ins, plan.results)
 
 
-def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool) -> Option:
+def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int) -> Option:
   """``plan`` described as one of GShard's einsum options."""
   moves = []
   pairs = [(f"operand {j}", v.sharding, s, v) for j, (v, s) in enumerate(zip(ins, plan.operands))
@@ -178,7 +205,7 @@ def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool) -> Option
     label = "(c) reshard operands first"
   else:
     label = "(a) compute where the operands are"
-  return Option(label, cost, tuple(moves), chosen)
+  return Option(label, cost, tuple(moves), chosen, grow)
 
 
 _INFEASIBLE = 1 << 62
