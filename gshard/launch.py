@@ -110,11 +110,20 @@ class _Process:
                     for pipe, sink in ((self.proc.stdout, out), (self.proc.stderr, err))]
     for t in self.threads:
       t.start()
+    # The moment it exits, taken by a thread blocked in wait(): the order of
+    # two processes that die within one poll interval (a killed process and a
+    # peer aborting because of it) is the order they really exited in.
+    self.waiter = threading.Thread(target=self._wait, daemon=True)
+    self.waiter.start()
+
+  def _wait(self) -> None:
+    self.proc.wait()
+    self.ended = time.monotonic()
 
   def poll(self) -> int | None:
-    code = self.proc.poll()
-    if code is not None and self.ended is None:
-      self.ended = time.monotonic()
+    code = self.proc.returncode
+    if code is not None and self.ended is None:   # the waiter is about to stamp it
+      self.waiter.join()
     return code
 
 
@@ -137,12 +146,10 @@ def _stop(procs: Sequence[_Process], wait: float = 5.0) -> None:
     p.proc.terminate()
   deadline = time.monotonic() + wait
   for p in alive:
-    try:
-      p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
+    p.waiter.join(timeout=max(0.0, deadline - time.monotonic()))
+    if p.waiter.is_alive():
       p.proc.kill()
-      p.proc.wait()
-    p.poll()
+      p.waiter.join()
 
 
 def launch(command: Sequence[str], processes: int = 2, devices_per_process: int = 4, *,
