@@ -131,6 +131,18 @@ CASES = {
         lambda x, i, u: x.at[i].multiply(u),
         (np.full(8, 2.0, np.float32), np.array([1, 5, 5], np.int32), np.full(3, 3.0, np.float32)),
         (P("b"), None, None)),
+    "x.at[:, idx].add(u), idx split unevenly, operand split (padding rows dropped)": (
+        lambda x, i, u: gshard.shard(x, P(("a", "b"))).at[:, i].add(u),
+        (np.zeros((2, 6, 2), np.float32), np.array([5, -5, -4, -5, -5, 5], np.int32),
+         np.float32(-0.25)), (None, P(("a", "b")), None)),
+    "x.at[idx].set(u), idx split unevenly, operand replicated": (
+        lambda x, i, u: x.at[i].set(u),
+        (np.ones(6, np.float32), np.array([1, 2, 4], np.int32), np.float32(7.0)),
+        (None, P("b"), None)),
+    "x.at[idx].add(u), idx and u split unevenly": (
+        lambda x, i, u: x.at[i].add(u),
+        (np.ones(6, np.float32), np.array([1, 0, 4], np.int32),
+         np.array([1.0, 2.0, 3.0], np.float32)), (None, P("b"), P("b"))),
     "x.at[idx].subtract(u), idx and u split": (
         lambda x, i, u: x.at[i].subtract(u),
         (np.ones(6, np.float32), IDX, np.arange(4.0, dtype=np.float32)), (None, P("b"), P("b"))),
@@ -314,3 +326,20 @@ def test_ordered_keys_sort_like_floats_with_nan_at_the_end(dtype, values, nan_hi
         assert key[i] < key[j]
       elif xs[i] == xs[j] and (np.signbit(xs[i]) == np.signbit(xs[j])):
         assert key[i] == key[j]
+
+
+def test_scatter_with_unevenly_split_indices_drops_their_padding_rows():
+  """Fuzz program 20261201-321: indices of 6 split 8 ways hold 2 padding rows;
+  they used to scatter-add the update once more each into row 0."""
+  m = mesh((2, 1, 4), ("p", "q", "r"))
+
+  def f(x1, x2, x3, x4):
+    v4 = gshard.shard(jnp.log(x1), P(("r", "p"), "q"))
+    v5 = v4 - x2
+    v6 = jnp.einsum("abc,ebg->aceg", v5, v4)
+    return v6, v5.at[:, x3].add(x4)
+
+  x1 = np.abs(np.random.default_rng(0).standard_normal((2, 6, 2))).astype(np.float32) + 0.5
+  args = (x1, np.float32(-0.25), np.array([5, -5, -4, -5, -5, 5], np.int32), np.float32(-0.25))
+  specs = (P(("q", "p")), None, P(("r", "p")), None)
+  _same(gshard.partition(f, m, in_specs=specs)(*args), jax.jit(f)(*args), "scatter")

@@ -237,7 +237,8 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   split = _index_offsets(ctx, eqn, plan, plan.rule.operands[0],
                          [d for d in dn.inserted_window_dims
                           if d in dn.scatter_dims_to_operand_dims], vals[0])
-  if not split:
+  real = _real_index_rows(ctx, vals[1])
+  if not split and real is None:
     return bind_local(ctx, eqn, plan, vals)
   full = eqn.invars[0].aval.shape
   idx_x = vals[1].x
@@ -246,6 +247,14 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   if "CLIP" in str(eqn.params["mode"]):      # jax's clip: every window fits
     window = _scatter_window(eqn)
     comps = [jnp.clip(c, 0, full[d] - window[d]) for c, d in zip(comps, sdims)]
+  drop = GatherScatterMode.FILL_OR_DROP
+  if not split:
+    # indices split unevenly: their padding rows are no updates; sent out of
+    # bounds, they are dropped
+    comps[0] = jnp.where(real, comps[0], full[sdims[0]])
+    fixed = dataclasses.replace(vals[1], x=jnp.stack(comps, axis=-1).astype(idx_x.dtype))
+    return bind_local(ctx, eqn.replace(params={**eqn.params, "mode": drop}), plan,
+                      [vals[0], fixed, vals[2]])
   # Each update that lands outside this device's rows goes to a trash row one
   # past the block (padded here, sliced off after): every index is in bounds,
   # which XLA needs (it has been seen to misplace out-of-bounds scatter
@@ -256,15 +265,33 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     g = comps[k]
     loc = g - offset.astype(g.dtype)
     ok = (loc >= 0) & (loc < local) & (g >= 0) & (g < full[d])
+    if real is not None:         # a padding row of unevenly split indices
+      ok = ok & real
     comps[k] = jnp.where(ok, loc, local)
     x = lax.pad(x, jnp.zeros((), x.dtype), [(0, int(i == d), 0) for i in range(x.ndim)])
   new_idx = jnp.stack(comps, axis=-1).astype(idx_x.dtype)
   fixed = dataclasses.replace(vals[1], x=new_idx)
-  eqn2 = eqn.replace(params={**eqn.params, "mode": GatherScatterMode.FILL_OR_DROP})
+  eqn2 = eqn.replace(params={**eqn.params, "mode": drop})
   y = eqn2.primitive.bind(x, fixed.x, vals[2].x, **eqn2.params)
   y = y[tuple(slice(0, n) for n in np.shape(vals[0].x))]
   out = eqn.outvars[0]
   return [Value(y, plan.results[0], tuple(out.aval.shape), out.aval.dtype)]
+
+
+def _real_index_rows(ctx: Context, indices: Value):
+  """Which index rows (all dims but the index vector's) are real, not the
+  padding of an uneven split; None when no dim of them is split unevenly."""
+  if indices.literal:
+    return None
+  shape = indices.shape
+  local = indices.sharding.local_shape(shape, ctx.mesh_sizes)
+  real = None
+  for d, axes in enumerate(indices.sharding.dims[:-1]):
+    if axes and shape[d] % ctx.num_shards(axes):
+      pos = ctx.linear_index(axes) * local[d] + lax.iota(jnp.int32, local[d])
+      m = lax.broadcast_in_dim(pos < shape[d], tuple(local[:-1]), (d,))
+      real = m if real is None else (real & m)
+  return real
 
 
 def _scatter_window(eqn) -> list[int]:
