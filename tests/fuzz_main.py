@@ -62,8 +62,8 @@ def failed(o: fuzzcheck.Outcome | None) -> bool:
   if o is None:
     return False
   if o.fallback is not None:
-    return o.fallback.status != "pass"
-  return o.status != "pass"
+    return o.fallback.status not in ("pass", "reference")
+  return o.status not in ("pass", "reference")
 
 
 # -- a worker process: XLA may abort the process (a CHECK failure) ----------------
@@ -331,6 +331,8 @@ def main(argv=None) -> int:
     print(f"{'  then, as constraints: ' + s:24}{'':>16}"
           f"{pct(x_status['refuse->' + s]):>16}")
   print(f"{'safe path (warned)':24}{pct(warned):>16}")
+  print(f"{'one-device jit wrong':24}{pct(g_status['reference']):>16}"
+        f"{pct(x_status['eff:reference']):>16}")
   print(f"{'checker error (oracle)':24}{pct(g_status['checker']):>16}"
         f"{pct(x_status['eff:checker']):>16}")
   g_fail = g_status["wrong"] + g_status["crash"]

@@ -38,7 +38,9 @@ def test_partitioned_program_matches_one_device(prog):
   r = fuzzcheck.check(prog, gspmd=False)
   assert r.single_error is None, f"generator bug: {r.single_error}\n{prog.repro()}"
   o = r.gshard
-  assert o.status == "pass", (
+  # "reference": jax.jit's one-device program is itself miscompiled, and
+  # gshard equals the op-by-op run
+  assert o.status in ("pass", "reference"), (
       f"program {prog.seed}: gshard: {o.key} {o.where}\n" + "\n".join(str(m) for m in o.mismatches) +
       f"\n\n{prog.repro()}")
 
