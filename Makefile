@@ -40,6 +40,7 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/first_step.py
 	$(PY) benchmarks/moe.py --devices 2,4,8,16,32
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/run.py

@@ -411,7 +411,9 @@ def write_doc(path: str, rows, runs: int, load: tuple[float, float]) -> None:
       out.append("")
   for name, title in (("benchmarks-moe.md", "MoE weak scaling (benchmarks/moe.py)"),
                       ("benchmarks-scaling.md", "gshard's own time against devices and "
-                       "depth (benchmarks/scaling.py)")):
+                       "depth (benchmarks/scaling.py)"),
+                      ("benchmarks-first-step.md", "Time to the first step against GSPMD "
+                       "(benchmarks/first_step.py)")):
     frag = os.path.join(os.path.dirname(path), name)
     if os.path.exists(frag):
       with open(frag) as f:
