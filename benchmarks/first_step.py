@@ -15,7 +15,8 @@ Reports the seconds of each phase and two ratios: gshard's own time over
 GSPMD's whole path (trace + lower + compile), and time to first step over
 GSPMD's. Every pair is measured back to back, so machine load hits both.
 
-Run: ``.venv/bin/python benchmarks/first_step.py [--quick]`` (part of ``make bench``).
+Run: ``.venv/bin/python benchmarks/first_step.py [--quick] [--layers=4,16,32,64]``
+(part of ``make bench``).
 """
 
 from __future__ import annotations
@@ -79,16 +80,16 @@ def measure(n_layers: int, scan: bool, mesh) -> dict:
           "first_ratio": (own + g_compile + g_run) / (x_path + x_run)}
 
 
-def main(quick: bool = False) -> list[dict]:
+def main(quick: bool = False, layers=None) -> list[dict]:
   assert jax.device_count() == 8, jax.devices()
   mesh = gshard.make_mesh((2, 4), ("data", "model"))
   measure(2, False, mesh)                 # pay jax's and XLA's warm-up once
   rows = []
-  for layers in ((4, 16) if quick else (4, 16, 32, 64)):
+  for n in layers or ((4, 16) if quick else (4, 16, 32, 64)):
     for scan in (False, True):
-      rows.append(measure(layers, scan, mesh))
+      rows.append(measure(n, scan, mesh))
       r = rows[-1]
-      print(f"L={layers} scan={scan}: own {r['own']:.2f}s ({r['own_ratio']:.2f}x GSPMD path), "
+      print(f"L={n} scan={scan}: own {r['own']:.2f}s ({r['own_ratio']:.2f}x GSPMD path), "
             f"first step {r['g_first']:.2f}s vs {r['x_first']:.2f}s", flush=True)
   lines = ["# Time to the first step, against XLA's GSPMD", "",
            "The GPT train step (SGD; D=128, 4 heads, F=512, V=1024, B=16, T=64) on the "
@@ -134,4 +135,6 @@ def _reading(rows) -> str:
 
 
 if __name__ == "__main__":
-  main(quick="--quick" in sys.argv)
+  depths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--layers=")), None)
+  main(quick="--quick" in sys.argv,
+       layers=tuple(int(x) for x in depths.split(",")) if depths else None)

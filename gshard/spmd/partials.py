@@ -145,38 +145,22 @@ def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
             if pending[t]:
               feeds[t] = anc
   for k in range(start, len(graph.bounds)):
-    b, r = graph.bounds[k], reduced[k]
-    p = produced(b, mesh, pending, r)
-    anc = frozenset().union(*[feeds.get(o, frozenset()) | {o}
-                              for o in b.operands if o is not None and pending.get(o)])
-    recs = []
-    for t in b.results:
-      if t is None or t.fixed:
-        continue
-      raw = p - t.sharding.axes
-      q = frozenset() if t in resolved else raw
-      if t in pending:
-        q &= pending[t]
-      pending[t] = q
-      cost = 0.0
-      if q:
-        feeds[t] = anc
-      else:
-        feeds.pop(t, None)
-        if raw:
-          cost = _psum_cost(t, raw, mesh)
-          total += cost
-          for a in anc:
-            downstream[a] = downstream.get(a, 0.0) + cost
-      recs.append((t, q, cost, anc if (q or raw) else frozenset()))
-    contrib.append(tuple(recs))
+    recs = _mark(graph.bounds[k], reduced[k], mesh, resolved, pending, feeds, again=True)
+    for t, q, cost, anc in recs:
+      if cost:
+        total += cost
+        for a in anc:
+          downstream[a] = downstream.get(a, 0.0) + cost
+    contrib.append(recs)
   return _Round(pending, total, downstream, feeds, contrib)
 
 
-def _mark(b: Bound, r, mesh, resolved, pending, feeds):
+def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False):
   """Bound ``b``'s marking: per result (tensor, pending, its psum's bytes, the
   pending ancestors it fed), from the operands' state in ``pending``/``feeds``
-  (its results' entries in them are updated)."""
+  (its results' entries in them are updated). ``again``: a result another
+  bound produced earlier in this round (a loop's carry) stays pending only
+  over the axes both leave pending."""
   p = produced(b, mesh, pending, r)
   anc = frozenset().union(*[feeds.get(o, frozenset()) | {o}
                             for o in b.operands if o is not None and pending.get(o)])
@@ -186,6 +170,8 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds):
       continue
     raw = p - t.sharding.axes
     q = frozenset() if t in resolved else raw
+    if again and t in pending:
+      q &= pending[t]
     pending[t] = q
     cost = 0.0
     if q:
