@@ -18,6 +18,8 @@ batch while GPipe's does not (the point of 1F1B).
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard
 from gshard import pipeline
+from gshard.spmd.partition.pipeline import SwitchWarning
 from helpers_numerics import assert_close_to_f64, f64_run, to_host
 from helpers_partition import mesh
 from test_pipeline_run import D, megatron_layer, megatron_layers, param_specs, tanh_layer, \
@@ -136,22 +139,60 @@ def test_a_users_own_table_and_the_asynchronous_1f1b():
     check(tanh_layer, layers, lp, x, t, step(stacked, lp, x, t), {}, sched.name)
 
 
-@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2)])
-def test_the_tick_loop_runs_the_lockstep_table(name, v):
-  # one scan over the table's ticks; each tick's F and B phases shift one
-  # micro-batch (B/M rows of D floats) each way: gshard's record counts each
-  # permute once per trip (the phases are conditionals, skipped in ticks
-  # without them), so each direction is num_ticks micro-batches
+@pytest.mark.parametrize("name, v, lockstep", [("1f1b", 1, False), ("zero_bubble", 1, False),
+                                               ("interleaved", 2, False), ("1f1b", 1, True)])
+def test_the_tick_loop_runs_the_table(name, v, lockstep):
+  # one scan over the table's ticks (the published table for a name, here
+  # also a lockstep one passed as a Schedule); the shifts move one micro-batch
+  # (B/M rows of D floats) each way: gshard's record counts each permute once
+  # per trip (they are conditionals, skipped in ticks where nobody sends), so
+  # each direction is num_ticks micro-batches
   k, m, batch = 4, 4, 16
   layers, lp, x, t = _inputs(jax.random.PRNGKey(1), tanh_layers, 4 * v, batch)
   stacked = pipeline.stack(layers, repeats=v)
-  sched = pipeline.schedule(name, num_stages=k, num_microbatches=m, repeats=v, lockstep=True)
-  step = gshard.partition(piped(tanh_layer, m, schedule=name, repeats=v),
+  sched = pipeline.schedule(name, num_stages=k, num_microbatches=m, repeats=v,
+                            lockstep=lockstep)
+  step = gshard.partition(piped(tanh_layer, m, schedule=sched if lockstep else name, repeats=v),
                           mesh((4,), ("stage",)),
                           in_specs=(param_specs(layers, stage_dim=int(v > 1)), P(), P(), P()))
-  permutes = [c for c in step.lower(stacked, lp, x, t).collectives() if c.kind == "ppermute"]
+  low = step.lower(stacked, lp, x, t)
+  permutes = [c for c in low.collectives() if c.kind == "ppermute"]
   assert len(permutes) == 2 and all(c.axes == ("stage",) for c in permutes)
   assert [c.bytes for c in permutes] == [sched.num_ticks * (batch // m) * D * 4] * 2
+  # nothing else in the tick loop (after it: the stage sums of loss and grads)
+  assert {c.kind for c in low.collectives()} == {"ppermute", "psum"}, low.explain()
+  loops = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "scan"
+           and e.params["length"] == sched.num_ticks]
+  assert len(loops) == 1
+  conds = [e for e in loops[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "cond"]
+  if lockstep:      # one conditional phase per kind of action: F, H (loss), B (and W)
+    assert len(conds) == 3 + sched.split
+  else:             # one switch over the stage's own action (idle, F, F and loss, B, W)
+    # and the two shifts
+    kinds = {a.kind for row in sched.table for a in row if a is not None}
+    assert sorted(len(e.params["branches"]) for e in conds) == [2, 2, 2 + len(kinds)]
+
+
+def test_each_stage_runs_only_its_own_action():
+  # the published 1F1B mixes forwards and backwards in a tick: the per-device
+  # program switches on the device's own entry of the table (a scalar index,
+  # one branch runs), where computing every action and masking would have no
+  # switch at all; the idle branch computes nothing
+  sched = pipeline.schedule("1f1b", num_stages=2, num_microbatches=4)
+  layers, lp, x, t = _inputs(jax.random.PRNGKey(2), tanh_layers, 2, 16)
+  step = gshard.partition(piped(tanh_layer, 4, schedule="1f1b"), mesh((2,), ("stage",)),
+                          in_specs=(param_specs(layers), P(), P(), P()))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", SwitchWarning)      # not the compute-everything fallback
+    low = step.lower(pipeline.stack(layers), lp, x, t)
+  loop = next(e for e in low.per_device_jaxpr().eqns if e.primitive.name == "scan"
+              and e.params["length"] == sched.num_ticks)
+  switch = max((e for e in loop.params["jaxpr"].jaxpr.eqns if e.primitive.name == "cond"),
+               key=lambda e: len(e.params["branches"]))
+  assert len(switch.params["branches"]) == 4           # idle, F, F and the loss, B
+  assert switch.invars[0].aval.shape == ()
+  idle = {q.primitive.name for q in switch.params["branches"][0].jaxpr.eqns}
+  assert not idle & {"dot_general", "tanh", "scan"}, idle
 
 
 def _temp(sched_name, m, batch=256, k=4):

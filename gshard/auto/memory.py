@@ -33,6 +33,7 @@ PRODUCERS = frozenset({
     "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort",
     "conv_general_dilated", "transpose", "jit", "pjit", "closed_call", "core_call",
     "custom_jvp_call", "custom_vjp_call", "checkpoint", "remat", "scan", "while", "cond",
+    "stage_switch",
     "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "reduce_window_sum",
     "reduce_window_max", "select_and_scatter_add", "all_to_all", "ragged_dot"})
 # Operands XLA reads from a buffer.

@@ -231,7 +231,7 @@ def _equation(eqn) -> _Count:
       out.add(body, trips)
       out.add(cond, trips + 1)
     return out
-  if name == "cond":
+  if name in ("cond", "stage_switch"):     # one branch runs (per device)
     branches = [_count(j) for j in _inner(params["branches"])]
     return _Count(max(b.flops for b in branches), max(b.bytes for b in branches))
   # Calls: whatever carries jaxprs and has no rule of its own (a scatter's

@@ -10,17 +10,28 @@ forward reaches the last stage), users still write ``jax.value_and_grad``, and
 a call without differentiation runs only the forward (GPipe's forward loop
 and the loss).
 
-One ``lax.scan`` over the table's ticks. Each tick runs the phases F, H, B, W
-in that order (``gshard.pipeline.plan``), each inside a ``lax.cond`` that skips
-it in the ticks where no stage has it; the slot writes (one in-place
-``dynamic_update_slice`` per phase) and the running sums are outside the
-conditionals, masked per stage. Every phase runs on every stage at once, as
-``jax.vmap(..., spmd_axis_name=stage_axis)`` over a ``[K, ...]`` dim split
-over the stage axis (so annotations in ``layer_fn`` keep working), with each
-stage's own inputs picked by the plan's per-stage slots; a stage with another
-action or none in that phase computes on real data and its results are
-dropped by ``where`` (nothing is differentiated through the masks, so no
-garbage reaches a gradient either way):
+One ``lax.scan`` over the table's ticks, in one of two forms (``gshard.pipeline.plan``):
+
+- **per device** (a table with ticks where stages run different kinds of
+  action: the published 1F1B, interleaved and ZB-H1 tables): each tick is
+  one ``stage_switch`` (``gshard.pipeline.switch``) over the actions idle, F,
+  F plus the loss head H, B and W; under gshard every device runs only its own
+  action's branch (a ``lax.switch`` on its entry of the table). The branches
+  read their inputs from the pools (read-only operands); the slot writes,
+  the running sums and the two shifts (each under a ``lax.cond`` that skips
+  a direction nobody sends in) are outside, masked per stage.
+- **phases** (every tick one kind of action: GPipe's table, the lockstep
+  forms ``pipeline.schedule(..., lockstep=True)``): each tick runs the phases
+  F, H, B, W in that order, each inside a ``lax.cond`` that skips it in the
+  ticks where no stage has it, on every stage at once (a stage with another
+  action or none computes on real data and its results are dropped by
+  ``where``; nothing is differentiated through the masks).
+
+Either way a stage's computation runs as ``jax.vmap(...,
+spmd_axis_name=stage_axis)`` over a ``[K, ...]`` dim split over the stage
+axis (so annotations in ``layer_fn`` keep working), with each stage's own
+inputs picked by the plan's per-stage slots (``gshard.pipeline.slots``). The
+actions:
 
 - **F**: read the stage's input (``x``'s micro-batch for virtual stage 0, else
   the activation that arrived), run the stage's layers (a ``lax.scan`` over its
@@ -54,14 +65,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gshard.pipeline import slots
 from gshard.pipeline.layout import Layout
 from gshard.pipeline.loss import mean_loss
-from gshard.pipeline.pieces import Pieces, pieces
-from gshard.pipeline.plan import Plan, plan
+from gshard.pipeline.pieces import pieces
+from gshard.pipeline.plan import (B, F, FH, IDLE, KIND_NAMES, WRITES, W, Plan, action_chunks,
+                                  per_device, per_device_codes, per_device_kinds, plan)
 from gshard.pipeline.schedules import Schedule
 from gshard.pipeline.shift import shift
-from gshard.pipeline.stages import (from_stage_major, mask, merged, microbatches, on_stages,
-                                    stage_major)
+from gshard.pipeline.stages import (Stage, acc_dtype, from_stage_major, mask, merged,
+                                    microbatches, on_stages, stage_major)
+from gshard.pipeline.switch import stage_switch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +86,6 @@ class Config:
   schedule: Schedule
   axis: str
   remat: object          # True, False or a jax.checkpoint policy
-
-
-def _initial_buffer(shape, dtype):
-  """What the slots hold before anything is written (never read unmasked)."""
-  return jnp.zeros(shape, dtype)
 
 
 def _inexact(a) -> bool:
@@ -138,137 +147,6 @@ def run_schedule(layer_fn: Callable, loss_fn: Callable, stacked, x, loss_params,
   return pipelined(stacked, x, (loss_params, loss_consts), targets, shared)
 
 
-# -- the stage's layers ------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Stage:
-  """One layer's pieces run over a stage's layer slots (a scan), every stage at
-  once (vmap over the ``[K, ...]`` dim)."""
-
-  pieces: Pieces
-  shared: tuple
-  active: np.ndarray | None      # [S, K] balance: which slots hold a layer
-  axis: str
-
-  def _vmap(self, fn, in_axes):
-    return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=self.axis)
-
-  def _pin(self, tree, dim=0):
-    return on_stages(tree, self.axis, dim)
-
-  def _xs(self, w):
-    return (w, self.active)
-
-  def primal(self, w, h):
-    def body(h, xs):
-      wl, on = xs
-      y = self._vmap(lambda wl, h: self.pieces.primal((wl, self.shared), h), (0, 0))(wl, h)
-      if on is not None:
-        y = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), y, h)
-      return self._pin(y), None
-    return lax.scan(body, self._pin(h), self._xs(w))[0]
-
-  def forward(self, w, h):
-    def body(h, xs):
-      wl, on = xs
-      y, saved = self._vmap(lambda wl, h: self.pieces.forward((wl, self.shared), h),
-                            (0, 0))(wl, h)
-      if on is not None:
-        y = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), y, h)
-      return self._pin(y), self._pin(saved)
-    return lax.scan(body, self._pin(h), self._xs(w))
-
-  def _masked(self, on, dw, ds, dh, ct):
-    if on is None:
-      return dw, ds, dh
-    keep = lambda g: jnp.where(mask(on, g), g, jnp.zeros((), g.dtype))
-    dh = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), dh, ct)
-    return jax.tree.map(keep, dw), jax.tree.map(keep, ds), dh
-
-  def _zero_shared(self, k):
-    return jax.tree.map(lambda a: jnp.zeros((k,) + np.shape(a), _acc(a)), self.shared)
-
-  def backward(self, w, saved, ct, k):
-    """``(dh, dw [S, K, ...], dshared [K, ...])``."""
-    def body(carry, xs):
-      ct, acc = carry
-      wl, on, res = xs
-      (dw, ds), dh = self._vmap(
-          lambda wl, res, ct: self.pieces.backward((wl, self.shared), res, ct), (0, 0, 0))(
-              wl, res, ct)
-      dw, ds, dh = self._masked(on, dw, ds, dh, ct)
-      return (self._pin(dh), _add(acc, ds)), self._pin(dw)
-    (dh, ds), dw = lax.scan(body, (self._pin(ct), self._zero_shared(k)),
-                            (w, self.active, saved), reverse=True)
-    return dh, dw, ds
-
-  def input_grad(self, w, saved, ct):
-    """``(dh, kept [S, K, ...])``."""
-    def body(ct, xs):
-      wl, on, res = xs
-      dh, kept = self._vmap(
-          lambda wl, res, ct: self.pieces.input_grad((wl, self.shared), res, ct), (0, 0, 0))(
-              wl, res, ct)
-      if on is not None:
-        dh = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), dh, ct)
-      return self._pin(dh), self._pin(kept)
-    return lax.scan(body, self._pin(ct), (w, self.active, saved), reverse=True)
-
-  def weight_grad(self, w, kept, k):
-    """``(dw [S, K, ...], dshared [K, ...])``."""
-    def body(acc, xs):
-      wl, on, kl = xs
-      dw, ds = self._vmap(lambda wl, kl: self.pieces.weight_grad((wl, self.shared), kl),
-                          (0, 0))(wl, kl)
-      if on is not None:
-        keep = lambda g: jnp.where(mask(on, g), g, jnp.zeros((), g.dtype))
-        dw, ds = jax.tree.map(keep, dw), jax.tree.map(keep, ds)
-      return _add(acc, ds), self._pin(dw)
-    ds, dw = lax.scan(body, self._zero_shared(k), (w, self.active, kept))
-    return dw, ds
-
-
-def _acc(a):
-  """The dtype a running sum of ``a`` is kept in (at least float32)."""
-  return jnp.promote_types(jnp.result_type(a), jnp.float32)
-
-
-def _add(acc, g):
-  return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-
-
-# -- slots ---------------------------------------------------------------------------
-
-def _read(buf, slot, kdim: int):
-  """Each stage's slot ``slot[s]`` of ``buf`` (``[n, ..., K at kdim, ...]``): a
-  per-stage ``dynamic_slice`` (local: the slot dim is not split). Where
-  ``slot`` is -1 it reads slot 0, which the caller never uses."""
-  index = jnp.maximum(slot, 0)
-
-  def one(b):
-    return jax.vmap(lambda bb, i: lax.dynamic_index_in_dim(bb, i, 0, keepdims=False),
-                    in_axes=(kdim, 0), out_axes=kdim - 1)(b, index)
-  return jax.tree.map(one, buf)
-
-
-def _write(buf, slot, value, on, kdim: int):
-  """``value`` (``buf`` without its slot dim) into slot ``slot`` (one number for
-  every stage: one in-place ``dynamic_update_slice``) on the stages where ``on``
-  (``[K]``; the others keep what the slot held); nothing where ``slot`` is -1."""
-  def one(b, v):
-    index = jnp.maximum(slot, 0)
-    old = lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
-    new = jnp.where(mask(on & (slot >= 0), old, kdim - 1), v.astype(b.dtype), old)
-    return lax.dynamic_update_index_in_dim(b, new, index, 0)
-  return jax.tree.map(one, buf, value)
-
-
-def _buffer(n: int, avals, lead: tuple, axis: str, kdim: int):
-  """``n`` slots of ``lead + aval.shape`` per leaf, K (in ``lead``) over ``axis``."""
-  return on_stages(jax.tree.map(lambda a: _initial_buffer((n,) + lead + tuple(a.shape),
-                                                          a.dtype), avals), axis, kdim)
-
-
 # -- the executor ----------------------------------------------------------------------
 
 def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_layer, h_aval):
@@ -285,7 +163,7 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
   if layout.balance is not None:
     counts = np.asarray(layout.balance)
     active = np.arange(max(counts))[:, None] < counts[None, :]
-  stage = _Stage(pcs, shared, active, axis)
+  stage = Stage(pcs, shared, active, axis)
   per_leaf_layers = active.shape[0] if active is not None else layout.num_layers // (v * k)
   leaves, tree = jax.tree.flatten(stacked)
   per_leaf = [stage_major(a, layout, k, axis) for a in leaves]
@@ -298,18 +176,18 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
   stash_avals = h_struct if remat_all else pcs.saved
   stash_kdim = 1 if remat_all else 2
   state = {
-      "act": _buffer(max(p.slots["act"], 1), h_struct, lead_k, axis, 1),
-      "grad": _buffer(max(p.slots["grad"], 1), h_struct, lead_k, axis, 1),
-      "stash": _buffer(max(p.slots["stash"], 1), stash_avals,
+      "act": slots.buffer(max(p.slots["act"], 1), h_struct, lead_k, axis, 1),
+      "grad": slots.buffer(max(p.slots["grad"], 1), h_struct, lead_k, axis, 1),
+      "stash": slots.buffer(max(p.slots["stash"], 1), stash_avals,
                        lead_k if remat_all else lead_sk, axis, stash_kdim),
-      "keep": _buffer(p.slots["keep"], pcs.kept, lead_sk, axis, 2) if p.split else (),
-      "wgrad": [jax.tree.map(lambda a: jnp.zeros(a.shape, _acc(a)), w) for w in weights],
+      "keep": slots.buffer(p.slots["keep"], pcs.kept, lead_sk, axis, 2) if p.split else (),
+      "wgrad": [jax.tree.map(lambda a: jnp.zeros(a.shape, acc_dtype(a)), w) for w in weights],
       "sgrad": stage._zero_shared(k),
       "loss": jnp.zeros((k,), jnp.float32),
-      "lgrad": jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, _acc(a)), lp_aval),
-      "dx": on_stages(jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, _acc(a)), micro_x),
+      "lgrad": jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, acc_dtype(a)), lp_aval),
+      "dx": on_stages(jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, acc_dtype(a)), micro_x),
                       axis),
-      "dt": on_stages(jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, _acc(a)),
+      "dt": on_stages(jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, acc_dtype(a)),
                                    _float_leaves(micro_t)), axis),
   }
   last = np.arange(k) == k - 1
@@ -337,7 +215,7 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
   def compute_f(act, xt):
     x_t = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, xt["m_x"], 0, keepdims=False),
                        micro_x)
-    recv = _read(act, xt["f_read"], 1)
+    recv = slots.read(act, xt["f_read"], 1)
     take = xt["f_on"] & ~xt["f_first"]
     h = on_stages(jax.tree.map(lambda r, a: jnp.where(mask(take, r), r, a[None]), recv, x_t),
                   axis)
@@ -352,6 +230,9 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
   def compute_h(y, xt):
     t_t = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, xt["m_head"], 0, keepdims=False),
                        micro_t)
+    return loss_head(y, t_t)
+
+  def loss_head(y, t_t):
     diff_t, rebuild_t = _split_float(t_t)
 
     def one(lp, yk, tk_diff):
@@ -364,9 +245,9 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
     return loss.astype(jnp.float32), dlp, on_stages(dy, axis), dt
 
   def compute_b(grad, stash, xt):
-    ct = _read(grad, xt["b_read"], 1)
+    ct = slots.read(grad, xt["b_read"], 1)
     w = pick(xt["b_chunk"])
-    saved = _read(stash, xt["b_stash"], stash_kdim)
+    saved = slots.read(stash, xt["b_stash"], stash_kdim)
     if remat_all:
       _, saved = stage.forward(w, saved)
     if p.split:
@@ -378,7 +259,7 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
     return dh, out, sent
 
   def compute_w(keep, xt):
-    return stage.weight_grad(pick(xt["w_chunk"]), _read(keep, xt["w_read"], 2), k)
+    return stage.weight_grad(pick(xt["w_chunk"]), slots.read(keep, xt["w_read"], 2), k)
 
   def when(run, fn, *args):
     """``fn(*args)`` in the ticks where ``run``, zeros of its results elsewhere."""
@@ -395,37 +276,152 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
     y = None
     if has["F"]:
       y, kept, sent = when(xt["run_F"], compute_f, st["act"], xt)
-      st["stash"] = _write(st["stash"], xt["f_stash"], kept, xt["f_on"], stash_kdim)
-      st["act"] = _write(st["act"], xt["f_arrive"], sent, xt["f_into"], 1)
+      st["stash"] = slots.write(st["stash"], xt["f_stash"], kept, xt["f_on"], stash_kdim,
+                           p.shared["stash"])
+      st["act"] = slots.write(st["act"], xt["f_arrive"], sent, xt["f_into"], 1, p.shared["act"])
     if has["H"]:
       loss, dlp, dy, dt = when(xt["run_H"], compute_h, y, xt)
       st["loss"] = st["loss"] + jnp.where(last, loss, 0)
       st["lgrad"] = jax.tree.map(
           lambda acc, g: acc + jnp.where(mask(last, g), g, 0).astype(acc.dtype),
           st["lgrad"], dlp)
-      st["grad"] = _write(st["grad"], xt["h_slot"], dy, jnp.asarray(last), 1)
-      st["dt"] = jax.tree.map(lambda acc, g: _put(acc, g, last, xt["m_head"], add=True),
+      st["grad"] = slots.write(st["grad"], xt["h_slot"], dy, jnp.asarray(last), 1, p.shared["grad"])
+      st["dt"] = jax.tree.map(lambda acc, g: slots.put(acc, g, last, xt["m_head"], add=True),
                               st["dt"], dt)
     if has["B"]:
       dh, out, sent = when(xt["run_B"], compute_b, st["grad"], st["stash"], xt)
       if p.split:
-        st["keep"] = _write(st["keep"], xt["b_keep"], out, xt["b_on"], 2)
+        st["keep"] = slots.write(st["keep"], xt["b_keep"], out, xt["b_on"], 2, p.shared["keep"])
       else:
         accumulate(st, *out, xt["b_on"], xt["b_chunk"])
-      st["dx"] = jax.tree.map(lambda acc, g: _put(acc, g, xt["b_first"], xt["m_dx"]),
+      st["dx"] = jax.tree.map(lambda acc, g: slots.put(acc, g, xt["b_first"], xt["m_dx"]),
                               st["dx"], dh)
-      st["grad"] = _write(st["grad"], xt["b_arrive"], sent, xt["b_into"], 1)
+      st["grad"] = slots.write(st["grad"], xt["b_arrive"], sent, xt["b_into"], 1, p.shared["grad"])
     if has["W"]:
       dw, ds = when(xt["run_W"], compute_w, st["keep"], xt)
       accumulate(st, dw, ds, xt["w_on"], xt["w_chunk"])
+    return st, None
+
+  # -- per device: a tick where stages run different kinds of action -----------------
+  # One stage_switch: every stage reads its inputs (outside, one slot each),
+  # runs its own action's branch, and the writes, running sums and the two
+  # shifts happen outside, as above (the shifts under a cond that skips a
+  # direction nobody sends in).
+  kinds = per_device_kinds(p)
+  code = per_device_codes(p)
+  branch_of = np.array([kinds.index(c) if c in kinds else 0 for c in range(len(KIND_NAMES))],
+                       np.int32)
+
+  def zeros_like_avals(avals):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
+
+  # The branches read their inputs from the (read-only) pools themselves, so
+  # only the slot a stage uses is read, by that stage alone.
+  def act_f(ops, head_too):
+    w, act, _, _, _, x_t, t_t, sl = ops
+    recv = slots.read(act, sl["f_read"], 1)
+    take = sl["f_on"] & ~sl["f_first"]
+    h = on_stages(jax.tree.map(lambda r, a: jnp.where(mask(take, r), r, a[None]), recv, x_t),
+                  axis)
+    if remat_all:
+      y, stash_v = stage.primal(w, h), h
+    else:
+      y, stash_v = stage.forward(w, h)
+    out = {"y": y, "stash": stash_v}
+    if head_too:
+      out["loss"], out["dlp"], out["dy"], out["dt"] = loss_head(y, t_t)
+    return out
+
+  def act_b(ops):
+    w, _, grad, stash, _, _, _, sl = ops
+    ct = slots.read(grad, sl["b_read"], 1)
+    saved = slots.read(stash, sl["b_stash"], stash_kdim)
+    if remat_all:
+      _, saved = stage.forward(w, saved)
+    if p.split:
+      dh, keep_v = stage.input_grad(w, saved, ct)
+      return {"dh": dh, "keep": keep_v}
+    dh, dw, ds = stage.backward(w, saved, ct, k)
+    return {"dh": dh, "dw": dw, "ds": ds}
+
+  def act_w(ops):
+    w, _, _, _, keep, _, _, sl = ops
+    dw, ds = stage.weight_grad(w, slots.read(keep, sl["w_read"], 2), k)
+    return {"dw": dw, "ds": ds}
+
+  actions = {IDLE: lambda ops: {}, F: lambda ops: act_f(ops, False),
+             FH: lambda ops: act_f(ops, True), B: act_b, W: act_w}
+
+  def tick_per_device(st, xt):
+    st = dict(st)
+    st["wgrad"] = list(st["wgrad"])
+    x_t = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, xt["m_x"], 0, keepdims=False),
+                       micro_x)
+    t_t = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, xt["m_head"], 0, keepdims=False),
+                       micro_t)
+    sl = {n: xt[n] for n in ("f_read", "f_on", "f_first", "b_read", "b_stash", "w_read")}
+    ops = (pick(xt["chunk"]), st["act"], st["grad"], st["stash"], st["keep"], x_t, t_t, sl)
+    parts = {c: jax.eval_shape(actions[c], ops) for c in kinds}
+    avals = {}
+    for part in parts.values():
+      avals.update(part)
+    keys = sorted(avals)
+    kdim_of = {"stash": 0 if remat_all else 1, "keep": 1, "dw": 1}
+    leaves_of = lambda d: [leaf for key in keys for leaf in jax.tree.leaves(d[key])]
+    kdims = [kdim_of.get(key, 0) for key in keys for _ in jax.tree.leaves(avals[key])]
+    flat_ops, ops_tree = jax.tree.flatten(ops)
+
+    def branch(c):
+      def run(*flat):
+        out = actions[c](ops_tree.unflatten(flat))
+        return leaves_of({key: out[key] if key in out else zeros_like_avals(avals[key])
+                          for key in keys})
+      return run
+
+    flat = stage_switch(jnp.asarray(branch_of)[xt["code"]], [branch(c) for c in kinds],
+                        flat_ops, kdims)
+    it = iter(flat)
+    o = {key: jax.tree.map(lambda _: next(it), avals[key]) for key in keys}
+    if "stash" in o:
+      st["stash"] = slots.write(st["stash"], xt["f_stash"], o["stash"], xt["f_on"], stash_kdim,
+                           p.shared["stash"])
+      sent = when(xt["f_send"], lambda y: on_stages(
+          jax.tree.map(lambda a: shift(a, 0, 1, circular=v > 1), y), axis), o["y"])
+      st["act"] = slots.write(st["act"], xt["f_arrive"], sent, xt["f_into"], 1, p.shared["act"])
+    if "loss" in o:
+      st["loss"] = st["loss"] + jnp.where(last, o["loss"], 0)
+      st["lgrad"] = jax.tree.map(
+          lambda acc, g: acc + jnp.where(mask(last, g), g, 0).astype(acc.dtype),
+          st["lgrad"], o["dlp"])
+      st["grad"] = slots.write(st["grad"], xt["h_slot"], o["dy"], jnp.asarray(last), 1, p.shared["grad"])
+      st["dt"] = jax.tree.map(lambda acc, g: slots.put(acc, g, last, xt["m_head"], add=True),
+                              st["dt"], o["dt"])
+    if "keep" in o:
+      st["keep"] = slots.write(st["keep"], xt["b_keep"], o["keep"], xt["b_on"], 2, p.shared["keep"])
+    if "dw" in o:
+      accumulate(st, o["dw"], o["ds"], xt["w_on"] if p.split else xt["b_on"], xt["chunk"])
+    if "dh" in o:
+      st["dx"] = jax.tree.map(lambda acc, g: slots.put(acc, g, xt["b_first"], xt["m_dx"]),
+                              st["dx"], o["dh"])
+      sent = when(xt["b_send"], lambda d: on_stages(
+          jax.tree.map(lambda a: shift(a, 0, -1, circular=v > 1), d), axis), o["dh"])
+      st["grad"] = slots.write(st["grad"], xt["b_arrive"], sent, xt["b_into"], 1, p.shared["grad"])
     return st, None
 
   names = ("f_on", "f_chunk", "f_first", "f_read", "f_stash", "f_arrive", "f_into", "m_x",
            "h_slot", "m_head", "b_on", "b_chunk", "b_first", "b_read", "b_stash", "b_keep",
            "b_arrive", "b_into", "m_dx", "w_on", "w_chunk", "w_read")
   xs = {n: getattr(p, n) for n in names}
-  xs.update({f"run_{ph}": r for ph, r in runs.items()})
-  st, _ = lax.scan(tick, state, xs)
+  for n, pool in WRITES.items():       # a shared pool's write: one number per tick
+    if p.shared[pool]:
+      xs[n] = xs[n].max(1)
+  if per_device(p):
+    xs.update(code=code, chunk=action_chunks(p), f_send=p.f_into.any(1),
+              b_send=p.b_into.any(1))
+    st, _ = lax.scan(tick_per_device, state, xs)
+  else:
+    xs.update({f"run_{ph}": r for ph, r in runs.items()})
+    st, _ = lax.scan(tick, state, xs)
   loss = jnp.sum(st["loss"]) / m
   d_stacked = tree.unflatten([
       from_stage_major([jax.tree.leaves(st["wgrad"][c])[i] for c in range(v)], layout, axis)
@@ -436,15 +432,6 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
                           st["sgrad"], shared)
   d_t = _targets_grad(targets, jax.tree.map(lambda acc: merged(jnp.sum(acc, 0)), st["dt"]))
   return loss.astype(jnp.float32), (d_stacked, dx, d_lp, d_t, d_shared)
-
-
-def _put(acc, g, where_k, index, add: bool = False):
-  """Row ``index`` of ``acc`` (``[K, M, ...]``) takes ``g`` (``[K, ...]``) on the
-  stages in ``where_k`` (added to it with ``add``)."""
-  old = lax.dynamic_index_in_dim(acc, index, 1, keepdims=False)
-  new = old + g.astype(acc.dtype) if add else g.astype(acc.dtype)
-  new = jnp.where(mask(where_k, old), new, old)
-  return lax.dynamic_update_index_in_dim(acc, new, index, 1)
 
 
 def _float_leaves(tree) -> list:

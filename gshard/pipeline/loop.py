@@ -192,7 +192,7 @@ def _executed(schedule, k: int, m: int, layout: Layout, axis: str, mesh) -> Sche
     raise ValueError(
         f"run(schedule={schedule!r}, repeats={v}): {schedule} runs one chunk per device; for "
         f"{v} chunks per device use schedule='interleaved' (or 'gpipe').")
-  return make_schedule(schedule, num_stages=k, num_microbatches=m, repeats=v, lockstep=True)
+  return make_schedule(schedule, num_stages=k, num_microbatches=m, repeats=v)
 
 
 def _check_remat(remat) -> None:

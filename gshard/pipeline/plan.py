@@ -27,12 +27,15 @@ table, once, as small numpy arrays (the scan's inputs):
 
   Every write (one phase of one tick) takes one slot number for all the
   stages it writes on, the lowest that is free on each of them, so the
-  executor writes it with one in-place ``dynamic_update_slice``; reads pick
-  each stage's own slot. A pool then has exactly as many slots as values
-  ever wait in it at once on one device for ``gpipe``, ``1f1b`` and
-  ``zero_bubble``; ``interleaved``'s stash can take up to K-1 more (the
-  greedy shared slot is not always optimal; tests/test_pipeline_plan.py
-  checks both). ``-1`` means "no slot" (nothing read or written).
+  executor writes it with one in-place ``dynamic_update_slice``, unless that
+  costs slots: then the pool numbers its slots per stage (the optimum, as
+  many as values ever wait in it at once on one stage) and a write takes each
+  stage's own slot (``shared[pool]`` False; still local to each device). The
+  lockstep tables share at no cost for ``gpipe``, ``1f1b`` and
+  ``zero_bubble``; the asynchronous 1F1B's stash needs its own numbers per
+  stage to hold K (shared: K+1). Reads pick each stage's own slot; ``-1``
+  means "no slot" (nothing read or written). tests/test_pipeline_plan.py
+  replays every table on the host.
 
 Within a tick the phases run F, H, B, W; in each, slots are read before
 arrivals are written, so a slot read in a phase can take an arrival in the
@@ -67,23 +70,24 @@ class Plan:
   patterns: tuple[tuple[str, ...], ...]   # distinct phase sets, branch order
   pattern: np.ndarray                     # [T] branch of each tick
   slots: dict                             # pool -> number of slots
+  shared: dict                            # pool -> one slot number per write event
   f_on: np.ndarray
   f_chunk: np.ndarray
   f_first: np.ndarray                     # [T, K]: u == 0 (reads x)
   f_read: np.ndarray                      # [T, K] act slot read
-  f_stash: np.ndarray                     # [T] stash slot written (where f_on)
-  f_arrive: np.ndarray                    # [T] act slot a received activation goes to
+  f_stash: np.ndarray                     # [T, K] stash slot written (where f_on)
+  f_arrive: np.ndarray                    # [T, K] act slot a received activation goes to
   f_into: np.ndarray                      # [T, K] the stage receives one
   m_x: np.ndarray                         # [T] micro-batch of x read
-  h_slot: np.ndarray                      # [T] grad slot of the loss cotangent (last stage)
+  h_slot: np.ndarray                      # [T, K] grad slot of the loss cotangent (last stage)
   m_head: np.ndarray                      # [T] micro-batch of the targets read
   b_on: np.ndarray
   b_chunk: np.ndarray
   b_first: np.ndarray                     # [T, K]: u == 0 (writes dx)
   b_read: np.ndarray                      # [T, K] grad slot read
   b_stash: np.ndarray                     # [T, K] stash slot read
-  b_keep: np.ndarray                      # [T] keep slot written (split; where b_on)
-  b_arrive: np.ndarray                    # [T] grad slot a received cotangent goes to
+  b_keep: np.ndarray                      # [T, K] keep slot written (split; where b_on)
+  b_arrive: np.ndarray                    # [T, K] grad slot a received cotangent goes to
   b_into: np.ndarray                      # [T, K] the stage receives one
   m_dx: np.ndarray                        # [T] micro-batch of dx written
   w_on: np.ndarray
@@ -110,7 +114,8 @@ class _Pool:
     self.events.setdefault(start, []).append((stage, end, key))
 
   def colour(self) -> tuple[dict, dict, int]:
-    """((stage, key) -> slot, write time -> slot, number of slots)."""
+    """((stage, key) -> slot, (write time, stage) -> slot, number of slots),
+    every write event one slot number on all its stages (shared)."""
     busy: dict[int, list] = {}               # stage -> per slot: end of its value
     slot_of, event_slot, most = {}, {}, 0
     for start in sorted(self.events):
@@ -124,8 +129,26 @@ class _Pool:
         ends.extend([(-1, 0)] * (slot + 1 - len(ends)))
         ends[slot] = end
         slot_of[s, key] = slot
-      event_slot[start] = slot
+        event_slot[start, s] = slot
       most = max(most, slot + 1)
+    return slot_of, event_slot, most
+
+  def colour_per_stage(self) -> tuple[dict, dict, int]:
+    """Like :meth:`colour`, each stage numbering its own slots: greedy in
+    order of writes, which is optimal for intervals (as many slots as values
+    ever wait at once on one stage)."""
+    busy: dict[int, list] = {}
+    slot_of, event_slot, most = {}, {}, 0
+    for start in sorted(self.events):
+      for s, end, key in self.events[start]:
+        ends = busy.setdefault(s, [])
+        slot = next((i for i, e in enumerate(ends) if e < start), len(ends))
+        if slot == len(ends):
+          ends.append(end)
+        ends[slot] = end
+        slot_of[s, key] = slot
+        event_slot[start, s] = slot
+        most = max(most, slot + 1)
     return slot_of, event_slot, most
 
 
@@ -160,12 +183,14 @@ def plan(sched: Schedule) -> Plan:
                           (mb, u - 1))
       if sched.split:
         pools["keep"].add(s, _at(t, "B-write"), _at(where["W", mb, u], "W-read"), (mb, u))
-  slots, slot_of, event_slot = {}, {}, {}
+  slots, slot_of, event_slot, shared = {}, {}, {}, {}
   for name, pool in pools.items():
-    slot_of[name], event_slot[name], slots[name] = pool.colour()
+    together, apart = pool.colour(), pool.colour_per_stage()
+    shared[name] = together[2] <= apart[2]
+    slot_of[name], event_slot[name], slots[name] = together if shared[name] else apart
 
-  def written(pool: str, t: int, what: str) -> int:
-    return event_slot[pool].get(_at(t, what), -1)
+  def written(pool: str, t: int, what: str) -> np.ndarray:
+    return np.array([event_slot[pool].get((_at(t, what), s), -1) for s in range(k)], np.int32)
 
   def grid(dtype, fill):
     return np.full((t_len, k), fill, dtype)
@@ -201,7 +226,7 @@ def plan(sched: Schedule) -> Plan:
     else:
       arrays["w_on"][t, s], arrays["w_chunk"][t, s] = True, c
       arrays["w_read"][t, s] = slot_of["keep"][s, (mb, u)]
-  per_tick = {name: np.array([written(pool, t, what) for t in range(t_len)], np.int32)
+  per_tick = {name: np.stack([written(pool, t, what) for t in range(t_len)])
               for name, pool, what in (("f_stash", "stash", "F-write"),
                                        ("f_arrive", "act", "F-write"),
                                        ("h_slot", "grad", "H-write"),
@@ -212,4 +237,43 @@ def plan(sched: Schedule) -> Plan:
   pattern = np.array([patterns.index(p) for p in keyed], np.int32)
   return Plan(num_ticks=t_len, num_stages=k, num_microbatches=m, repeats=v,
               split=sched.split, patterns=patterns, pattern=pattern, slots=slots,
+              shared=shared,
               m_x=m_x, m_head=m_head, m_dx=m_dx, **per_tick, **arrays)
+
+
+# -- per-device ticks ----------------------------------------------------------------
+
+WRITES = {"f_stash": "stash", "f_arrive": "act", "h_slot": "grad", "b_keep": "keep",
+           "b_arrive": "grad"}
+IDLE, F, FH, B, W = range(5)
+KIND_NAMES = ("idle", "F", "F+loss", "B", "W")
+
+
+def per_device(p: Plan) -> bool:
+  """Whether the table has a tick where stages run different kinds of action:
+  then every tick runs one ``stage_switch`` (each stage its own action);
+  otherwise each tick runs its one phase on every stage."""
+  return any(len(p.patterns[i]) - ("H" in p.patterns[i]) > 1 for i in p.pattern)
+
+
+def per_device_codes(p: Plan) -> np.ndarray:
+  """``[T, K]``: each stage's action per tick (idle, F, F and the loss, B, W)."""
+  k, v = p.num_stages, p.repeats
+  code = np.full(p.f_on.shape, IDLE, np.int32)
+  code[p.f_on] = F
+  last = p.f_on & (np.arange(k) == k - 1)[None, :] & (p.f_chunk == v - 1)
+  code[last] = FH
+  code[p.b_on] = B
+  code[p.w_on] = W
+  return code
+
+
+def per_device_kinds(p: Plan) -> list[int]:
+  """The action kinds the table uses (the switch's branches), idle first."""
+  used = set(np.unique(per_device_codes(p)).tolist())
+  return [c for c in range(len(KIND_NAMES)) if c == IDLE or c in used]
+
+
+def action_chunks(p: Plan) -> np.ndarray:
+  """``[T, K]``: the chunk of each stage's action (0 when idle)."""
+  return np.where(p.f_on, p.f_chunk, np.where(p.b_on, p.b_chunk, p.w_chunk)).astype(np.int32)

@@ -5,17 +5,23 @@
 reshaped stage-major, ``[S, K, ...]`` per chunk (S layer slots per stage);
 batches are cut into micro-batches ``[M, B/M, ...]`` whose micro-batch ``m``
 holds rows ``m, m+M, ...`` (a batch split over a data axis stays split the
-same way in every micro-batch).
+same way in every micro-batch). :class:`Stage` runs one layer's pieces over a
+stage's layer slots, every stage at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import shard
 from gshard.pipeline.layout import Layout
+from gshard.pipeline.pieces import Pieces
 
 
 def open_spec(ndim: int, *fixed):
@@ -72,3 +78,100 @@ def microbatches(a, m: int):
 def merged(a):
   """The inverse of :func:`microbatches`."""
   return jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stage:
+  """One layer's pieces run over a stage's layer slots (a scan), every stage at
+  once (vmap over the ``[K, ...]`` dim)."""
+
+  pieces: Pieces
+  shared: tuple
+  active: np.ndarray | None      # [S, K] balance: which slots hold a layer
+  axis: str
+
+  def _vmap(self, fn, in_axes):
+    return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=self.axis)
+
+  def _pin(self, tree, dim=0):
+    return on_stages(tree, self.axis, dim)
+
+  def _xs(self, w):
+    return (w, self.active)
+
+  def primal(self, w, h):
+    def body(h, xs):
+      wl, on = xs
+      y = self._vmap(lambda wl, h: self.pieces.primal((wl, self.shared), h), (0, 0))(wl, h)
+      if on is not None:
+        y = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), y, h)
+      return self._pin(y), None
+    return lax.scan(body, self._pin(h), self._xs(w))[0]
+
+  def forward(self, w, h):
+    def body(h, xs):
+      wl, on = xs
+      y, saved = self._vmap(lambda wl, h: self.pieces.forward((wl, self.shared), h),
+                            (0, 0))(wl, h)
+      if on is not None:
+        y = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), y, h)
+      return self._pin(y), self._pin(saved)
+    return lax.scan(body, self._pin(h), self._xs(w))
+
+  def _masked(self, on, dw, ds, dh, ct):
+    if on is None:
+      return dw, ds, dh
+    keep = lambda g: jnp.where(mask(on, g), g, jnp.zeros((), g.dtype))
+    dh = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), dh, ct)
+    return jax.tree.map(keep, dw), jax.tree.map(keep, ds), dh
+
+  def _zero_shared(self, k):
+    return jax.tree.map(lambda a: jnp.zeros((k,) + np.shape(a), acc_dtype(a)), self.shared)
+
+  def backward(self, w, saved, ct, k):
+    """``(dh, dw [S, K, ...], dshared [K, ...])``."""
+    def body(carry, xs):
+      ct, acc = carry
+      wl, on, res = xs
+      (dw, ds), dh = self._vmap(
+          lambda wl, res, ct: self.pieces.backward((wl, self.shared), res, ct), (0, 0, 0))(
+              wl, res, ct)
+      dw, ds, dh = self._masked(on, dw, ds, dh, ct)
+      return (self._pin(dh), add_into(acc, ds)), self._pin(dw)
+    (dh, ds), dw = lax.scan(body, (self._pin(ct), self._zero_shared(k)),
+                            (w, self.active, saved), reverse=True)
+    return dh, dw, ds
+
+  def input_grad(self, w, saved, ct):
+    """``(dh, kept [S, K, ...])``."""
+    def body(ct, xs):
+      wl, on, res = xs
+      dh, kept = self._vmap(
+          lambda wl, res, ct: self.pieces.input_grad((wl, self.shared), res, ct), (0, 0, 0))(
+              wl, res, ct)
+      if on is not None:
+        dh = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), dh, ct)
+      return self._pin(dh), self._pin(kept)
+    return lax.scan(body, self._pin(ct), (w, self.active, saved), reverse=True)
+
+  def weight_grad(self, w, kept, k):
+    """``(dw [S, K, ...], dshared [K, ...])``."""
+    def body(acc, xs):
+      wl, on, kl = xs
+      dw, ds = self._vmap(lambda wl, kl: self.pieces.weight_grad((wl, self.shared), kl),
+                          (0, 0))(wl, kl)
+      if on is not None:
+        keep = lambda g: jnp.where(mask(on, g), g, jnp.zeros((), g.dtype))
+        dw, ds = jax.tree.map(keep, dw), jax.tree.map(keep, ds)
+      return add_into(acc, ds), self._pin(dw)
+    ds, dw = lax.scan(body, self._zero_shared(k), (w, self.active, kept))
+    return dw, ds
+
+
+def acc_dtype(a):
+  """The dtype a running sum of ``a`` is kept in (at least float32)."""
+  return jnp.promote_types(jnp.result_type(a), jnp.float32)
+
+
+def add_into(acc, g):
+  return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)

@@ -21,7 +21,10 @@ factor is planned unsplit) and the shift runs on local values.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 import math
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +33,7 @@ from jax import lax
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.generic import plan_local
 from gshard.spmd.partition.halo import permute
+from gshard.spmd.sharding import TensorSharding
 
 
 def _moved(ctx: Context, eqn, v: Value, piece, axes, blocks: int, circular: bool, role: str):
@@ -95,3 +99,87 @@ def shift_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   edge = _moved(ctx, eqn, v, lax.slice_in_dim(x, local - r, local, axis=axis), axes, q + 1,
                 circular, f"{role} ({r} boundary rows, {hop(q + 1)})")
   return out(lax.concatenate([edge, body], axis))
+
+
+# -- stage_switch ----------------------------------------------------------------------
+
+def select_rows(index, per_branch: Sequence[Sequence], kdims: Sequence[int]) -> list:
+  """``per_branch[b][j]`` row-selected by ``index`` along ``kdims[j]``."""
+  n = len(per_branch)
+  index = jnp.clip(index, 0, n - 1)
+  out = []
+  for j, d in enumerate(kdims):
+    cases = [outs[j] for outs in per_branch]
+    if n == 1:
+      out.append(cases[0])
+      continue
+    shape = cases[0].shape
+    which = jnp.broadcast_to(
+        jnp.reshape(index, (1,) * d + (shape[d],) + (1,) * (len(shape) - d - 1)), shape)
+    out.append(lax.select_n(which, *cases))
+  return out
+
+
+
+class SwitchWarning(UserWarning):
+  """A stage_switch computes every branch on every stage (see its rule)."""
+
+
+class _CrossesStages(Exception):
+  """A branch would run a collective over the stage axes (devices in other branches)."""
+
+
+def _with_dim(s: TensorSharding, dim: int, axes: tuple) -> TensorSharding:
+  dims = [tuple(a for a in d if a not in axes) for d in s.dims]
+  dims[dim] = tuple(axes)
+  return TensorSharding(tuple(dims), s.partial - set(axes))
+
+
+def stage_switch_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``stage_switch`` (``gshard/pipeline/switch.py``): where its results' K dims
+  are split one row per device over the stage axes, one ``lax.switch`` on the
+  device's own index entry (each device runs one branch); otherwise, or when a
+  branch needs a collective over the stage axes, every branch on every device
+  and the rows selected."""
+  branches, kdims = eqn.params["branches"], eqn.params["kdims"]
+  k = eqn.invars[0].aval.shape[0]
+  first = ctx.target(scope, eqn.outvars[0]).without_partial()
+  axes = first.dims[kdims[0]]
+  out_s = [_with_dim(ctx.target(scope, v).without_partial(), d, axes)
+           for v, d in zip(eqn.outvars, kdims)]
+  index = ctx.reshard(ins[0], TensorSharding((tuple(axes),)), eqn, "operand 0")
+  ops = ins[1:]
+  rec = ctx.recorder
+  marks = (len(rec.collectives), len(rec.fallbacks), len(rec.choices))
+
+  def branch(b, check: bool):
+    sub = scope + ((idx, ("branches", b)),)
+
+    def f(*xs):
+      start = len(rec.collectives)
+      args = [dataclasses.replace(v, x=x) for v, x in zip(ops, xs)]
+      outs = ctx.run_jaxpr(branches[b].jaxpr, sub, (), args)
+      outs = [ctx.reshard(o, s, eqn, f"result {j}").x for j, (o, s) in
+              enumerate(zip(outs, out_s))]
+      if check and any(set(c.axes) & set(axes) for c in rec.collectives[start:]):
+        raise _CrossesStages
+      return outs
+    return f
+
+  xs = [v.x for v in ops]
+  outs = None
+  if axes and k == ctx.num_shards(axes):
+    try:
+      outs = lax.switch(index.x[0], [branch(b, True) for b in range(len(branches))], *xs)
+    except _CrossesStages:
+      del rec.collectives[marks[0]:], rec.fallbacks[marks[1]:], rec.choices[marks[2]:]
+      warnings.warn(
+          f"gshard: a pipeline tick at {ctx.source(eqn)} needs a collective over the stage "
+          f"axes {list(axes)} inside a stage's action, so every stage computes every action "
+          "and keeps its own (correct, but each tick costs all of them). Keep annotations "
+          "inside layer_fn off the stage axis.", SwitchWarning, stacklevel=2)
+  if outs is None:
+    per_branch = [branch(b, False)(*xs) for b in range(len(branches))]
+    outs = select_rows(index.x, per_branch, kdims)
+  return [Value(x, s, tuple(v.aval.shape), v.aval.dtype)
+          for x, s, v in zip(outs, out_s, eqn.outvars)]
