@@ -87,8 +87,9 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
     stage_axis: the mesh axis of pipeline stages.
     schedule: ``"gpipe"``; with ``loss_fn`` also ``"1f1b"``,
       ``"interleaved"``, ``"zero_bubble"`` or a :class:`Schedule` (your own
-      table, ``pipeline.schedule(table=...)``). A name runs its lockstep form,
-      ``pipeline.schedule(name, K, M, repeats, lockstep=True)``.
+      table, ``pipeline.schedule(table=...)``). A name runs its published
+      table, ``pipeline.schedule(name, K, M, repeats)``: in a tick where
+      stages run different actions each device runs only its own.
     repeats: v, chunks per device (the circular pipeline: device s runs
       virtual stages s, s+K, ...); needs M to be a multiple of K when v > 1.
     remat: True (recompute each stage's layers in the backward pass, keep
@@ -177,7 +178,7 @@ def _check_schedule(schedule, loss_fn, mesh) -> None:
 
 
 def _executed(schedule, k: int, m: int, layout: Layout, axis: str, mesh) -> Schedule:
-  """The table run executes on K stages: a name's lockstep form, or the user's."""
+  """The table run executes on K stages: a name's published table, or the user's."""
   v = layout.repeats
   if isinstance(schedule, Schedule):
     got = (schedule.num_stages, schedule.num_microbatches, schedule.repeats)

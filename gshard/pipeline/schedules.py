@@ -1,8 +1,9 @@
 """Pipeline schedules as tick tables: the validated :class:`Schedule`.
 
 A schedule is a table ``table[tick][stage]`` of :class:`Action` (or ``None``
-for an idle slot) that the executor runs in lockstep over the ``stage`` mesh
-axis. The conventions the executor relies on:
+for an idle slot) that ``pipeline.run`` executes tick by tick over the
+``stage`` mesh axis, each device its own action. The conventions the
+executor relies on:
 
 **Stages, chunks, virtual stages.** There are ``K = num_stages`` devices along
 the pipeline axis and ``v = repeats`` model chunks per device, so the model's
@@ -106,9 +107,11 @@ class Schedule:
       ticks (every action one tick).
     lockstep: how the metrics replay the table. False: asynchronously, each
       device starting an action once it is free and its inputs arrived (the
-      schedule as published; torch-style runtimes). True: as ``pipeline.run``
-      runs it in one SPMD program, every tick one *phase* per kind of action
-      in it (F, B, W), each phase as long as its slowest action on any stage.
+      schedule as published; torch-style runtimes). True: every tick one
+      *phase* per kind of action in it (F, B, W) run on all stages, each phase
+      as long as its slowest action on any stage (a one-program runtime
+      without per-device branches; ``pipeline.run`` runs a table this way
+      when each of its ticks holds one kind of action).
   """
 
   name: str
@@ -215,10 +218,12 @@ class Schedule:
 
   @functools.cached_property
   def phases(self) -> int:
-    """What ``pipeline.run`` executes: the sum over ticks of the kinds of action
-    in each (every stage runs each of them, masked where it has another or
-    none). Equal to ``num_ticks`` when every tick holds one kind, as in the
-    lockstep tables and ``gpipe``; a tick mixing F and B counts two."""
+    """The phases a run with every stage in every phase would execute: the sum
+    over ticks of the kinds of action in each. Equal to ``num_ticks`` when
+    every tick holds one kind, as in the lockstep tables and ``gpipe`` (which
+    ``pipeline.run`` runs that way); a tick mixing F and B counts two.
+    ``pipeline.run`` runs a table with such ticks per device instead (each
+    device only its own action: ``num_ticks`` ticks)."""
     return sum(len({a.kind for a in row if a is not None}) for row in self.table)
 
   def timeline(self, costs: Mapping[str, object] | Costs | None = None) -> Timeline:

@@ -1,9 +1,9 @@
 """The built-in schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1) and ``schedule()``.
 
 Each is a per-device order of actions, placed on ticks as early as the tick
-rules allow (:func:`place`). With ``lockstep=True`` each is laid out in
-*rounds* instead (:func:`lockstep_table`): the form ``pipeline.run`` executes,
-where every tick holds one kind of action on every stage.
+rules allow (:func:`place`): the tables ``pipeline.run`` executes. With
+``lockstep=True`` each is laid out in *rounds* instead (:func:`lockstep_table`),
+every tick one kind of action on every stage.
 """
 
 from __future__ import annotations
@@ -114,9 +114,10 @@ def _zb_h1_orders(k: int, m: int) -> list[list[Action]]:
 def lockstep_table(name: str, k: int, m: int, v: int):
   """``name`` laid out in rounds, every tick one kind of action on every stage.
 
-  One SPMD program runs a tick's work on every device at once: a device cannot
-  run a forward while its neighbour runs a backward without computing both.
-  So the table is built from rounds, each an F tick, then a B tick, then (split
+  For a program that runs a tick's work on every device at once without
+  per-device branches (a device could not run a forward while its neighbour
+  runs a backward without computing both; ``pipeline.run`` has per-device
+  branches and runs the published tables). The table is built from rounds, each an F tick, then a B tick, then (split
   schedules) a W tick, empty ticks dropped. Device s runs its i-th forward (the
   grouped order: K micro-batches per chunk) in round ``i + s``, its j-th
   backward in round ``j + vK + K - 2 - s`` and its j-th W in round
@@ -157,10 +158,11 @@ def schedule(name: str | None = None, *, num_stages: int, num_microbatches: int,
       ``(kind, microbatch[, chunk])``.
     lockstep: False: the schedule as the literature (and asynchronous
       runtimes such as ``torch.distributed.pipelining``) defines it, each
-      device starting an action as soon as its inputs arrive. True: the
-      form ``pipeline.run`` executes in one SPMD program, where all stages
-      run one kind of action per tick (:func:`lockstep_table`); its metrics
-      are the executed ones (:meth:`Schedule.timeline`).
+      device starting an action as soon as its inputs arrive; what
+      ``pipeline.run`` executes. True: laid out in rounds where all stages
+      run one kind of action per tick (:func:`lockstep_table`), for a
+      runtime without per-device branches; its metrics replay it that way
+      (:meth:`Schedule.timeline`).
 
   The built-in schedules. Numbers are exact (the tests check them) in the
   table's ticks, i.e. every action, a chunk's F, B or W, lasts one tick; they
@@ -192,7 +194,10 @@ def schedule(name: str | None = None, *, num_stages: int, num_microbatches: int,
     ``M(F+B+W) + (K-1)(F+B-W)``. Peak in flight ``min(K, M)``, as 1F1B.
     Needs ``repeats=1``.
 
-  Their lockstep forms (``lockstep=True``, what ``run`` executes): every tick
+  ``pipeline.run`` executes these tables as they are: in a tick where stages
+  run different actions each device runs only its own (its FLOPs per step
+  are its M*v actions, whatever the bubble). Their lockstep forms
+  (``lockstep=True``, a user may pass one to ``run``): every tick
   one kind of action on all stages, so a step costs ``#F ticks * F + #B ticks
   * B + #W ticks * W`` on every device. ``gpipe`` is unchanged. ``1f1b``:
   device s warms up with ``2(K-1-s)`` forwards (a forward reaches the next
