@@ -1,7 +1,8 @@
 """``pipeline.run(..., loss_fn=...)``: every schedule equals the plain loop.
 
 On a mesh with the stage axis, ``run`` with ``loss_fn`` executes the
-schedule's lockstep table (or a user's) inside one ``custom_vjp`` forward;
+schedule's published table (or a user's, or a lockstep form) inside one
+``custom_vjp`` forward, each device its own action in a tick that mixes them;
 ``jax.value_and_grad`` of it must give the loss and the gradients of the plain
 loop (a Python loop over the unstacked layers written here, then the head and
 the loss over the whole batch): for the stack, the loss parameters, the
@@ -18,12 +19,15 @@ batch while GPipe's does not (the point of 1F1B).
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import gshard
@@ -139,6 +143,49 @@ def test_a_users_own_table_and_the_asynchronous_1f1b():
     check(tanh_layer, layers, lp, x, t, step(stacked, lp, x, t), {}, sched.name)
 
 
+def random_table(rng, k, m, v, split, idle):
+  """A random valid table: each tick, each stage runs one of its ready actions
+  (chosen at random) or, with probability ``idle``, waits."""
+  nv = k * v
+  todo = {(kind, mb, u) for mb in range(m) for u in range(nv)
+          for kind in (("F", "B", "W") if split else ("F", "B"))}
+  done, table = {}, []
+  while todo:
+    t, row = len(table), [None] * k
+    for s in range(k):
+      ready = sorted(a for a in todo if a[2] % k == s and
+                     all(done.get(d, t) < t for d in pipeline.actions.dependencies(*a, nv)))
+      if ready and rng.random() >= idle:
+        kind, mb, u = ready[rng.integers(len(ready))]
+        row[s] = (kind, mb, u // k)
+    for s, a in enumerate(row):
+      if a is not None:
+        key = (a[0], a[1], a[2] * k + s)
+        done[key] = t
+        todo.discard(key)
+    table.append(row)
+  return pipeline.schedule(table=table, num_stages=k, num_microbatches=m, repeats=v)
+
+
+@settings(max_examples=int(os.environ.get("GSHARD_TABLE_EXAMPLES", "4")))
+@given(seed=st.integers(0, 2 ** 16), k=st.sampled_from([2, 4]), m=st.integers(1, 4),
+       v=st.integers(1, 2), split=st.booleans(), remat=st.booleans())
+def test_a_random_valid_table_equals_the_plain_loop(seed, k, m, v, split, remat):
+  # any valid table (ticks mixing every kind of action, idle ticks, W long
+  # after its B) runs per device and equals the plain loop
+  if v > 1:          # run's forward-only path (GPipe's circular loop) needs K | M
+    m = k * -(-m // k)
+  rng = np.random.default_rng(seed)
+  sched = random_table(rng, k, m, v, split, idle=0.2)
+  layers, lp, x, t = _inputs(jax.random.PRNGKey(seed), tanh_layers, k * v, 16 * m)
+  stacked = pipeline.stack(layers, repeats=v)
+  step = gshard.partition(piped(tanh_layer, m, schedule=sched, repeats=v, remat=remat),
+                          mesh((8 // k, k), ("data", "stage")),
+                          in_specs=(param_specs(layers, stage_dim=int(v > 1)), P(), P(), P()))
+  check(tanh_layer, layers, lp, x, t, step(stacked, lp, x, t), {"repeats": v} if v > 1 else {},
+        f"random table seed={seed}")
+
+
 @pytest.mark.parametrize("name, v, lockstep", [("1f1b", 1, False), ("zero_bubble", 1, False),
                                                ("interleaved", 2, False), ("1f1b", 1, True)])
 def test_the_tick_loop_runs_the_table(name, v, lockstep):
@@ -210,10 +257,9 @@ def _temp(sched_name, m, batch=256, k=4):
 
 
 def test_1f1b_temp_memory_shrinks_with_m_where_gpipes_does_not():
-  # At a fixed batch B a micro-batch is B/M rows. GPipe's table keeps one
-  # stash per forward tick and stage, (M+K-1) micro-batches = (M+K-1)/M of the
-  # batch: 7/4 -> 35/32 from M=4 to 32 (x0.625, never below the whole batch);
-  # lockstep 1F1B at most 2K-1 = 7 micro-batches: 7/4 -> 7/32 (x0.125). The
+  # At a fixed batch B a micro-batch is B/M rows. GPipe's table keeps every
+  # micro-batch's stash, the whole batch whatever M; 1F1B at most K = 4
+  # micro-batches: 4/4 -> 4/32 of the batch from M=4 to 32 (x0.125). The
   # gradients, weights and I/O are the same in both and do not depend on M.
   gpipe = [_temp("gpipe", m) for m in (4, 32)]
   one = [_temp("1f1b", m) for m in (4, 32)]
