@@ -154,9 +154,10 @@ def test_gpt_megatron_attention_and_mlp_when_weights_dominate(gpt):
     assert layer["wo"] == P("model", None, None)
     assert layer["w1"] == P(None, "model") and layer["w2"] == P("model", None)
   hand = plan.evaluate((models.gpt_specs(args[0]), P("data"), P("data")))
-  # the same layers as the hand layout; the embedding is split on d_model, not
-  # the vocabulary (the solver's model of the gather prices that one higher)
-  assert plan.cost.bytes <= 1.2 * hand.bytes
+  # the same layers as the hand layout; the embedding may be split on d_model
+  # (a residual stream split on d_model, sequence-parallel style: the same
+  # activation bytes as Megatron's all-reduces), never sending more
+  assert plan.cost.bytes <= hand.bytes
   text = str(plan)
   assert "params['layers'][*]['wq'] x2" in text and "runner-up" in text
   check_equal_to_one_device(step, plan, m, args, n=4 * 8)

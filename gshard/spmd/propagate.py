@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from gshard.spmd import factors
 from gshard.spmd.graph import Bound, Graph, Tensor, source_of
-from gshard.spmd.partials import mark_partials
+from gshard.spmd.partials import mark_partials, sum_before_scatter
 from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, short_dtype
 
 MAX_SWEEPS = 200
@@ -178,4 +178,6 @@ def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
       sweeps += 1
   for t, axes in mark_partials(graph).items():
     t.sharding = t.sharding.with_partial(axes)
+  for t, sharding in sum_before_scatter(graph).items():
+    t.sharding = sharding
   return sweeps, _conflicts(graph)
