@@ -176,9 +176,10 @@ def moe_case(n=8, group=256, d_model=128, d_hidden=512) -> Case:
       "forward and backward)": 4 * (n - 1) / n * dispatched,
       "all-reduce over expert of the replicated gating weights' gradient [M, E]":
           ar(n, d_model * n * F32),
-      "all-reduce over expert of the loss and the auxiliary loss": 2 * ar(n, F32),
+      "all-reduce over expert of the loss (the auxiliary loss added to it first)":
+          ar(n, F32),
   }
-  formula = "4·(n-1)/n·(E·(G/n)·C·M·4) + 2(n-1)/n·(M·E·4) + 2·2(n-1)/n·4"
+  formula = "4·(n-1)/n·(E·(G/n)·C·M·4) + 2(n-1)/n·(M·E·4) + 2(n-1)/n·4"
   specs = ({"wg": P(), "wi": P("expert"), "wo": P("expert")}, P("expert"))
   return Case("moe", f"GShard MoE layer, top-2, paper annotations only (E=G={n}, S={group}, "
               f"M={d_model}, H={d_hidden}, C={cap}), mesh expert={n}", (n,), ("expert",),
