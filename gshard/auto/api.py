@@ -32,14 +32,14 @@ from gshard.auto import realize as R
 from gshard.auto.annotations import annotate
 from gshard.auto.memory import ProgramMemory
 from gshard.auto.plan import Choice, Cost, Plan
-from gshard.auto.search import Options, search
+from gshard.auto.search import Options, add_runner_ups, search
 from gshard.auto.solve import Infeasible
 from gshard.spmd.infer import flatten_specs, pinned_graph, trace
 from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
 
-MEMORY_ROUNDS = 4   # solves with the budget tightened by the compiled memory
+MEMORY_ROUNDS = 8   # solves with the budget tightened by the compiled memory
 
 
 def _check_options(mesh_sizes, memory_limit, bandwidth, latency, min_bytes, time_limit):
@@ -140,14 +140,21 @@ class AutoShard:
     evaluate = self._evaluator(structs)
     limit = self.opts.memory_limit
     budget, least = limit, None
-    for _ in range(MEMORY_ROUNDS):
+    solved, tight = None, None      # the last budget solved; the largest found infeasible
+    cache: dict = {}
+    for rnd in range(MEMORY_ROUNDS):
       opts = dataclasses.replace(self.opts, memory_limit=budget)
       try:
-        found = search(graph, jaxpr, ms, opts, paths)
+        found = search(graph, jaxpr, ms, opts, paths, cache=cache, runner_ups=False)
       except Infeasible as e:
-        # the model's minimum, scaled back to compiled bytes
-        m = e.minimum * (limit / budget if budget else 1.0)
-        raise self._infeasible(m if least is None else min(m, least)) from None
+        if solved is None:
+          # the model's minimum, scaled back to compiled bytes
+          m = e.minimum * (limit / budget if budget else 1.0)
+          raise self._infeasible(m if least is None else min(m, least)) from None
+        # tightened too far: halfway back to the last budget that solved
+        tight = budget if tight is None else max(tight, budget)
+        budget = (budget + solved) / 2
+        continue
       for k, v in found.seconds.items():
         secs[k] = secs.get(k, 0.0) + v
       prob, choice = found.problem, found.choice
@@ -177,9 +184,17 @@ class AutoShard:
       # XLA keeps more than the model counts: the model's budget becomes this
       # plan's modelled memory scaled by limit / measured, and it is solved again
       least = measured if least is None else min(least, measured)
-      budget = min(budget, found.memory.peak) * limit / measured * (1 - 1e-3)
+      solved = budget
+      # XLA's memory often stays on a plateau while the model's budget shrinks
+      # by limit / measured: shrink by at least 5%, 10%, 20%, ... per round
+      budget = min(budget, found.memory.peak) * min(limit / measured, 1 - 0.05 * 2 ** rnd)
+      if tight is not None:            # never below a budget known infeasible
+        budget = max(budget, (tight + solved) / 2)
     else:
       raise self._infeasible(least)
+    t3 = time.perf_counter()
+    found = add_runner_ups(found, opts)
+    secs["runner_ups"] = time.perf_counter() - t3
     choices = self._choices(found, jaxpr, paths, len(args))
     return Plan(in_specs, annotations, cost, found.bytes, choices, dict(ms),
                 limit, secs, found.size, found.status, evaluate)

@@ -64,6 +64,7 @@ class Search:
   size: dict[str, int]          # of the reduced problem
   seconds: dict[str, float]
   status: str
+  solved: tuple = ()            # (solver, memory model, budget): for the runner-ups
 
 
 def _input_values(prob: problem.Problem, jaxpr) -> list[int]:
@@ -170,24 +171,31 @@ def _polish(prob, choice, inputs, mem: memory.ProgramMemory, mesh_order) -> None
 
 
 def search(graph: Graph, jaxpr, mesh_sizes: Mapping[str, int], opts: Options,
-           paths: list[str]) -> Search:
+           paths: list[str], cache: dict | None = None, runner_ups: bool = True) -> Search:
   """Solve the layout problem of a pinned graph; see the module docstring.
-  ``paths`` names the program's inputs (``[0]['w1']``), for tying layers."""
+  ``paths`` names the program's inputs (``[0]['w1']``), for tying layers.
+  ``cache``: a dict kept across calls on the same graph with other memory
+  limits (the problem, its memory model and tied classes are built once).
+  ``runner_ups=False`` leaves them to :func:`add_runner_ups`."""
   secs: dict[str, float] = {}
   t0 = time.perf_counter()
-  pricer = L.Pricer(mesh_sizes, opts.bandwidth, opts.latency)
-  prob = problem.build(graph, mesh_sizes, pricer, opts.min_bytes)
+  cache = {} if cache is None else cache
+  if "prob" not in cache:
+    pricer = L.Pricer(mesh_sizes, opts.bandwidth, opts.latency)
+    prob = problem.build(graph, mesh_sizes, pricer, opts.min_bytes)
+    mem = memory.ProgramMemory(graph, jaxpr, mesh_sizes)
+    inputs = _input_values(prob, jaxpr)
+    names = {}
+    for var, path in zip(jaxpr.invars, paths):
+      t = graph.tensors.get(((), var))
+      vi = prob.var_of(t) if t is not None else None
+      if vi is not None:
+        names.setdefault(vi, path)
+    cls = tie.classes(prob, names) if opts.tie_layers else list(range(len(prob.vars)))
+    cache.update(prob=prob, mem=mem, inputs=inputs, cls=cls)
+  prob, mem, inputs, cls = cache["prob"], cache["mem"], cache["inputs"], cache["cls"]
   secs["build"] = time.perf_counter() - t0
   mesh_order = {a: i for i, a in enumerate(mesh_sizes)}
-  mem = memory.ProgramMemory(graph, jaxpr, mesh_sizes)
-  inputs = _input_values(prob, jaxpr)
-  names = {}
-  for var, path in zip(jaxpr.invars, paths):
-    t = graph.tensors.get(((), var))
-    vi = prob.var_of(t) if t is not None else None
-    if vi is not None:
-      names.setdefault(vi, path)
-  cls = tie.classes(prob, names) if opts.tie_layers else list(range(len(prob.vars)))
   limit = opts.memory_limit
   sets = mem.peak_sets() if limit is not None else []
   secs["solve"] = 0.0
@@ -207,10 +215,18 @@ def search(graph: Graph, jaxpr, mesh_sizes: Mapping[str, int], opts: Options,
       break
     sets.append(at)
   sent = sum(b for b, _, _ in problem.evaluate(prob, choice))
+  found = Search(prob, choice, sent, used, inputs, {}, solver.size(), secs, sol.status,
+                 (solver, mem, budget))
+  return add_runner_ups(found, opts) if runner_ups else found
+
+
+def add_runner_ups(found: Search, opts: Options) -> Search:
+  """``found`` with the runner-up of each argument's value (see :class:`RunnerUp`)."""
+  solver, mem, budget = found.solved
   t2 = time.perf_counter()
-  runner = _runner_ups(prob, solver, choice, inputs, mem, budget, opts)
-  secs["runner_ups"] = time.perf_counter() - t2
-  return Search(prob, choice, sent, used, inputs, runner, solver.size(), secs, sol.status)
+  runner = _runner_ups(found.problem, solver, found.choice, found.inputs, mem, budget, opts)
+  secs = dict(found.seconds, runner_ups=time.perf_counter() - t2)
+  return dataclasses.replace(found, runner_ups=runner, seconds=secs)
 
 
 def _runner_ups(prob, solver, choice, inputs, mem, budget, opts) -> dict[int, RunnerUp]:
