@@ -23,13 +23,14 @@ values' magnitudes <= 4 * 16); bf16 with its unit roundoff 2**-8.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
@@ -79,8 +80,13 @@ MESHES = {"local": [((4,), ("stage",)), ((2, 4), ("data", "stage")), ((8,), ("st
           "stages": [((4,), ("stage",)), ((2, 4), ("data", "stage"))]}
 
 
+@settings(max_examples=int(os.environ.get("GSHARD_SWITCH_EXAMPLES", "10")))
 @given(kind=st.sampled_from(sorted(MESHES)), which=st.integers(0, 2), rows=st.sampled_from([1, 2]),
        seed=st.integers(0, 2 ** 16), dtype=st.sampled_from(["float32", "bfloat16"]))
+@example(kind="stages", which=0, rows=1, seed=1, dtype="float32")      # the stage-crossing fallback
+@example(kind="model", which=0, rows=1, seed=2, dtype="bfloat16")      # collectives in a branch
+@example(kind="local", which=1, rows=2, seed=3, dtype="float32")       # K in blocks of 2 rows
+@example(kind="local", which=2, rows=1, seed=4, dtype="float32")       # one row per device, NaNs
 def test_switch_equals_its_one_device_definition(kind, which, rows, seed, dtype):
   shape, names = MESHES[kind][which % len(MESHES[kind])]
   stages = dict(zip(names, shape))["stage"]
