@@ -134,12 +134,8 @@ def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
     contrib = base.contrib[:start]
     redo: set[Tensor] = set()
     for recs in base.contrib[start:]:
-      for t, q, cost, anc in recs:
-        redo.add(t)
-        if cost:
-          total -= cost
-          for a in anc:
-            downstream[a] -= cost
+      redo.update(t for t, *_ in recs)
+      total = _book(recs, downstream, total, -1.0)
     for t in redo:           # back to what the bounds before ``start`` left
       pending.pop(t, None)
       feeds.pop(t, None)
@@ -153,13 +149,21 @@ def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
               feeds[t] = anc
   for k in range(start, len(graph.bounds)):
     recs = _mark(graph.bounds[k], reduced[k], mesh, resolved, pending, feeds, again=True)
-    for t, q, cost, anc in recs:
-      if cost:
-        total += cost
-        for a in anc:
-          downstream[a] = downstream.get(a, 0.0) + cost
+    total = _book(recs, downstream, total, 1.0)
     contrib.append(recs)
   return _Round(pending, total, downstream, feeds, contrib)
+
+
+def _book(recs, downstream: dict, total: float, sign: float) -> float:
+  """Add (``sign`` 1) or take out (-1) the psum bytes of a bound's marking
+  ``recs``: to each pending ancestor's downstream total and to the round's
+  ``total``, which it returns."""
+  for _, _, cost, anc in recs:
+    if cost:
+      total += sign * cost
+      for a in anc:
+        downstream[a] = downstream.get(a, 0.0) + sign * cost
+  return total
 
 
 def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False):
@@ -211,19 +215,12 @@ def _follow(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
     k = heapq.heappop(todo)
     b = graph.bounds[k]
     old = contrib[k]
-    for t, q, cost, anc in old:
-      if cost:
-        total -= cost
-        for a in anc:
-          downstream[a] -= cost
+    total = _book(old, downstream, total, -1.0)
     before = {t: (pending.get(t), feeds.get(t)) for t, *_ in old}
     recs = _mark(b, reduced[k], mesh, resolved, pending, feeds)
     contrib[k] = recs
-    for t, q, cost, anc in recs:
-      if cost:
-        total += cost
-        for a in anc:
-          downstream[a] = downstream.get(a, 0.0) + cost
+    total = _book(recs, downstream, total, 1.0)
+    for t, *_ in recs:
       touched.add(t)
       if before.get(t) != (pending.get(t), feeds.get(t)):
         if t not in index.regular:
