@@ -96,6 +96,9 @@ def unproject(dims_factors, choice, size_of, mesh) -> list[Axes]:
   """
   dims = []
   for factors in dims_factors:
+    if len(factors) == 1:          # the common case: one factor, its axes
+      dims.append(tuple(choice.get(factors[0], ())))
+      continue
     axes: list[str] = []
     for f in factors:
       a = list(choice.get(f, ()))

@@ -276,8 +276,15 @@ def mark_partials(graph: Graph, max_trials: int = MAX_TRIALS) -> dict[Tensor, fr
   last = best.pending      # the values pending after the latest trial, kept or not
   order = {t: k for k, t in enumerate(graph.tensors.values())}   # deterministic
   tried: set[Tensor] = set()
+  psum: dict = {}       # (tensor, axes) -> its all-reduce bytes (layouts are fixed here)
+
+  def cost(t, axes):
+    k = (t, axes)
+    if k not in psum:
+      psum[k] = _psum_cost(t, axes, mesh)
+    return psum[k]
   for _ in range(max_trials):
-    gains = sorted((-(best.downstream[t] - _psum_cost(t, last[t], mesh)), order[t], t)
+    gains = sorted((-(best.downstream[t] - cost(t, last[t])), order[t], t)
                    for t in best.downstream if t not in tried and last.get(t))
     gains = [t for g, _, t in gains if g < 0]
     # Only the most upstream candidates: resolving one settles its descendants.

@@ -60,6 +60,8 @@ def refine(t: Tensor, new_dims: Sequence[Axes], mesh) -> bool:
   pinned dim, never an axis twice, never more shards than elements).
   Returns whether ``t`` changed."""
   cur = t.sharding.dims
+  if tuple(new_dims) == cur:
+    return False
   used = set(t.sharding.axes)
   out = list(cur)
   for i, (c, n) in enumerate(zip(cur, new_dims)):
@@ -84,6 +86,8 @@ def step(bound: Bound, mesh, defer_ties: bool = False) -> bool:
   """One constraint step: solve its factors, refine its tensors. Whether any changed."""
   rule = bound.rule
   choice = factors.solve(rule, bound.operands, bound.results, mesh, defer_ties)
+  if not choice:
+    return False                 # every factor unsplit: nothing to refine
   changed = False
   for t, dims in zip(bound.operands + bound.results, rule.operands + rule.results):
     if t is None or len(t.fixed) == len(t.shape):
