@@ -124,8 +124,7 @@ class Graph:
       in_avals = [v.aval for v in eqn.invars]
       out_avals = [v.aval for v in eqn.outvars]
       try:
-        op_rule = as_op_rule(rule_fn(in_avals, out_avals, **eqn.params),
-                             len(in_avals), len(out_avals))
+        op_rule = as_op_rule(registry.rule_of(eqn), len(in_avals), len(out_avals))
       except NotImplementedError:   # a case the rule does not cover: no constraint
         self.unsupported.append((eqn.primitive.name, src))
         for path, j in subs.items():

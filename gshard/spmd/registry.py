@@ -21,6 +21,7 @@ table too. Importing ``gshard.spmd`` registers every family.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -70,12 +71,36 @@ def register(names: str, sharding: Callable[..., Any], *,
                      f"function, got {partition!r}")
   for name in names.split():
     table[name] = Entry(name, sharding, partition)
+  _rule_memo.cache_clear()
 
 
 def sharding_rule(name: str) -> Callable[..., Any] | None:
   """The sharding rule of primitive ``name``, or None (no rule: unconstrained)."""
   entry = table.get(name)
   return entry.sharding if entry is not None else None
+
+
+def rule_of(eqn) -> Any:
+  """What ``eqn``'s sharding rule returns for its avals and params (None: no
+  rule; a rule's ``NotImplementedError`` passes through). Memoised on them: a
+  model's repeated layers build each rule once."""
+  name = eqn.primitive.name
+  if name not in table:
+    return None
+  key = (name, tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars),
+         tuple(sorted(eqn.params.items())))
+  try:
+    hash(key)
+  except TypeError:            # a parameter jax cannot hash (an array): build anew
+    return _rule(*key)
+  return _rule_memo(*key)
+
+
+def _rule(name, in_avals, out_avals, params):
+  return table[name].sharding(list(in_avals), list(out_avals), **dict(params))
+
+
+_rule_memo = functools.lru_cache(maxsize=1 << 14)(_rule)
 
 
 def entry(name: str) -> Entry | None:
