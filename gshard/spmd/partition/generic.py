@@ -67,8 +67,7 @@ class LocalPlan:
 
 def factor_rule_of(eqn) -> FactorRule:
   """The factor rule of ``eqn`` (a single-constraint OpRule is unwrapped)."""
-  r = registry.sharding_rule(eqn.primitive.name)(
-      [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars], **eqn.params)
+  r = registry.rule_of(eqn)
   if isinstance(r, OpRule) and len(r.constraints) == 1:
     c = r.constraints[0]
     if c.operands == tuple(IN(i) for i in range(len(eqn.invars))) and \
