@@ -38,9 +38,13 @@ class Lowered:
     """The body of the shard_map: the program each device runs (a Jaxpr)."""
     # the shard_map of the padded arguments, traced once when it was built
     closed = self._program.per_device()
-    for eqn in closed.jaxpr.eqns:
+    eqns = list(closed.jaxpr.eqns)
+    while eqns:                    # the shard_map, inside the jit it was traced in
+      eqn = eqns.pop(0)
       if eqn.primitive.name == "shard_map":
         return eqn.params["jaxpr"]
+      if eqn.primitive.name in ("jit", "pjit"):
+        eqns = list(eqn.params["jaxpr"].jaxpr.eqns) + eqns
     return closed.jaxpr
 
   def compile(self) -> Compiled:

@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import AbstractMesh, NamedSharding
 
+from gshard.spmd import _gc
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
@@ -77,12 +78,15 @@ class Program:
   def per_device(self):
     """The ``shard_map`` of the per-device program, traced on first use (the
     partition rules run then) as a ``ClosedJaxpr`` of the padded inputs; every
-    later jax trace (another input layout, ``lower()``) replays it."""
+    later jax trace (another input layout, ``lower()``) replays it. It is
+    traced inside a ``jax.jit``: a replay binds that one call (jax keeps the
+    traced body), not each of its equations again."""
     if self._traced is None:
       t0 = time.perf_counter()
-      self._traced = jax.make_jaxpr(self.shard_fn)(*[
-          jax.ShapeDtypeStruct(self.padded_shape(i), a.dtype, weak_type=a.weak_type)
-          for i, a in enumerate(self.flat_avals)])
+      with _gc.paused():
+        self._traced = jax.make_jaxpr(jax.jit(self.shard_fn))(*[
+            jax.ShapeDtypeStruct(self.padded_shape(i), a.dtype, weak_type=a.weak_type)
+            for i, a in enumerate(self.flat_avals)])
       self.timings["partition_setup"] = (self.timings.get("partition_setup", 0.0)
                                          + time.perf_counter() - t0)
     return self._traced
@@ -262,7 +266,8 @@ class Partitioned:
       # what jax traces); a PaddedArray as the array it stands for
       args = jax.tree_util.tree_unflatten(
           treedef, [s if is_padded(x) else x for x, s in zip(leaves, structs)])
-      prog = self._build(args, jax.tree_util.tree_unflatten(treedef, structs), structs)
+      with _gc.paused():
+        prog = self._build(args, jax.tree_util.tree_unflatten(treedef, structs), structs)
       self._cache[key] = prog
     return prog
 
@@ -436,8 +441,9 @@ class Partitioned:
     placed = jax.tree_util.tree_unflatten(treedef, structs)
     prog.per_device()            # the partition rules run (timed as partition_setup)
     t0 = time.perf_counter()
-    traced = self._jit.trace(*placed)
-    lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
+    with _gc.paused():
+      traced = self._jit.trace(*placed)
+      lowered = traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
     prog.timings["lower"] = time.perf_counter() - t0
     return Lowered(self, prog, lowered, placed)
 
