@@ -120,6 +120,21 @@ def _apply_ppermute(x, step, global_shape, sizes, order):
   return lax.ppermute(x, axis_name(axes), perm)
 
 
+def permute(x, axes: Axes, sizes: MeshSizes, dest):
+  """``lax.ppermute`` over ``axes``: the device at linear index ``i`` (major
+  first over ``axes``) sends ``x`` to ``dest(i)`` (``None``: to nobody).
+
+  jax numbers a multi-axis ppermute's devices in mesh order, whatever the
+  order of the names given: the pairs are renumbered to it.
+  """
+  n = shard_count(tuple(axes), sizes)
+  order = mesh_axis_order(sizes)
+  mesh_axes = tuple(sorted(axes, key=order.index))
+  renumber = renumbering(tuple(axes), mesh_axes, sizes)
+  pairs = [(renumber[i], renumber[dest(i)]) for i in range(n) if dest(i) is not None]
+  return lax.ppermute(x, axis_name(mesh_axes), pairs)
+
+
 def renumbering(old: Axes, new: Axes, sizes: MeshSizes) -> list[int]:
   """Linear index over ``old`` -> linear index over ``new`` (same axes)."""
   out = []

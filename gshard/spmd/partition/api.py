@@ -196,6 +196,23 @@ def _shape_str(a) -> str:
   return f"{short_dtype(a.dtype)}[{','.join(map(str, a.shape))}]"
 
 
+def _check_windowed(windowed_einsum) -> float | None:
+  """``windowed_einsum`` as a byte threshold (``None``: never); anything else
+  is an error that says what to pass."""
+  if windowed_einsum is None:
+    return None
+  ok = isinstance(windowed_einsum, (int, float, np.integer, np.floating)) and \
+      not isinstance(windowed_einsum, (bool, np.bool_))
+  if not ok or not windowed_einsum >= 0:     # also refuses NaN
+    raise ValueError(
+        f"windowed_einsum={windowed_einsum!r}: expected None (never) or a size in bytes "
+        "per device >= 0: a dot_general whose operand gather (or result "
+        "reduce-scatter) would hold at least that many bytes runs as a ring of "
+        "ppermutes instead. Pass e.g. windowed_einsum=0 (every such dot_general) or "
+        "windowed_einsum=2**20 (1 MiB and up).")
+  return float(windowed_einsum)
+
+
 def _check_donate(donate_argnums) -> tuple[int, ...]:
   """``donate_argnums`` as a sorted tuple of ints; anything else is an error."""
   nums = (donate_argnums,) if isinstance(donate_argnums, (int, np.integer)) or \
@@ -222,7 +239,8 @@ class Partitioned:
   """
 
   def __init__(self, fn: Callable, mesh, in_specs=None, out_specs=None,
-               strict: bool = False, donate_argnums: Sequence[int] | int = ()):
+               strict: bool = False, donate_argnums: Sequence[int] | int = (), *,
+               windowed_einsum: float | None = None):
     if not isinstance(strict, bool):
       raise TypeError(f"strict must be True or False, got {strict!r} "
                       f"({type(strict).__name__}). strict=True raises where a primitive "
@@ -233,6 +251,7 @@ class Partitioned:
     self.in_specs = in_specs
     self.out_specs = out_specs
     self.strict = strict
+    self.windowed_einsum = _check_windowed(windowed_einsum)
     self.donate_argnums = _check_donate(donate_argnums)
     self._abstract = isinstance(mesh, AbstractMesh)
     self._mesh_type = mesh if self._abstract else mesh.abstract_mesh
@@ -288,7 +307,8 @@ class Partitioned:
     out_leaves, out_tree = jax.tree_util.tree_flatten(result.out_shape)
     pairs = pair_state(logical_args, result.out_shape)
     in_sh, out_sh, padded_out = self._boundary(result, out_leaves, pairs)
-    ctx = Context(result.graph, self.mesh_sizes, Recorder(), self.strict, run_jaxpr)
+    ctx = Context(result.graph, self.mesh_sizes, Recorder(), self.strict, run_jaxpr,
+                  self.windowed_einsum)
     shard_fn = jax.shard_map(_body(ctx, result, in_sh, out_sh, avals, out_leaves),
                              mesh=self.mesh,
                              in_specs=tuple(s.to_spec() for s in in_sh),
@@ -449,7 +469,8 @@ class Partitioned:
 
 
 def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = False,
-              donate_argnums: Sequence[int] | int = ()) -> Partitioned:
+              donate_argnums: Sequence[int] | int = (), *,
+              windowed_einsum: float | None = None) -> Partitioned:
   """Partition ``fn`` over ``mesh`` from its annotations.
 
   Args:
@@ -464,6 +485,13 @@ def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = 
     strict: ``True`` raises where a primitive without a partition rule would
       gather its operands (the safe path), instead of warning.
     donate_argnums: positions of the arguments whose buffers may be reused.
+    windowed_einsum: ``None`` (the default) or bytes per device. A
+      ``dot_general`` whose plan would all-gather an operand holding at least
+      that many bytes per device once gathered (or reduce-scatter a result of
+      at least that many) runs instead as a loop of ``ppermute`` steps around
+      the ring of that mesh axis (GShard's windowed einsum, XLA's collective
+      matmul): the same bytes sent, but the gathered operand is never held
+      whole. ``0`` windows every such dot.
 
   Returns:
     A :class:`Partitioned` callable; ``.lower(*args)`` inspects it.
@@ -473,4 +501,5 @@ def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = 
     step = gshard.partition(train_step, mesh, in_specs=(param_specs, P("data")))
     params, loss = step(params, batch)
   """
-  return Partitioned(fn, mesh, in_specs, out_specs, strict, donate_argnums)
+  return Partitioned(fn, mesh, in_specs, out_specs, strict, donate_argnums,
+                     windowed_einsum=windowed_einsum)

@@ -127,16 +127,21 @@ class Context:
   """Shared state of one partitioning: graph, mesh, recorder, options.
 
   Rules reach the interpreter through it: :meth:`run_jaxpr` interprets an inner
-  jaxpr (a call's, a loop body's) per device.
+  jaxpr (a call's, a loop body's) per device. ``windowed_einsum``: the bytes
+  per device of a gathered operand (or a reduce-scattered result) of a
+  ``dot_general`` at or above which it runs as a ring of ppermutes
+  (``partition/windowed_einsum.py``); ``None``: never.
   """
 
   def __init__(self, graph: Graph, mesh_sizes: Mapping[str, int], recorder: Recorder,
-               strict: bool, interpreter: Callable[..., list]):
+               strict: bool, interpreter: Callable[..., list],
+               windowed_einsum: float | None = None):
     self.graph = graph
     self._interpreter = interpreter
     self.mesh_sizes = dict(mesh_sizes)
     self.recorder = recorder
     self.strict = strict
+    self.windowed_einsum = windowed_einsum
     self.repeat = 1          # trip count of the loops being traced (bytes scale)
     self.enclosing: list = []   # call equations whose inner jaxpr is running
     # (id of a local array, src, dst) -> [(trace, the array, its resharded Value)]
@@ -185,12 +190,11 @@ class Context:
     if v.literal or v.sharding == dst:
       return dataclasses.replace(v, sharding=dst) if v.literal else v
     # One reshard per (value, layout) in a trace: every later consumer of the
-    # same layout reuses it (and no collective is recorded twice). Keyed by the
-    # trace too: a scan / cond body must not reuse (or leak) another trace's value.
-    key, trace = (id(v.x), v.sharding, dst), get_opaque_trace_state()
-    for seen_trace, seen_x, out in self._memo.get(key, ()):
-      if seen_x is v.x and seen_trace == trace:
-        return out
+    # same layout reuses it (and no collective is recorded twice).
+    return self.once(("reshard", v.sharding, dst), v.x,
+                     lambda: self._reshard(v, dst, eqn, role))
+
+  def _reshard(self, v: Value, dst: TensorSharding, eqn, role: str) -> Value:
     plan = reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
     src_name = self.source(eqn)
     prim = eqn.primitive.name if eqn is not None else "output"
@@ -203,8 +207,20 @@ class Context:
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
           else str(v.dtype), src_name, bool(plan.fallback)))
     x = collectives.apply_plan(v.x, plan, v.shape, self.mesh_sizes)
-    out = Value(x, dst, v.shape, v.dtype)
-    self._memo.setdefault(key, []).append((trace, v.x, out))   # keeps v.x alive: ids stay unique
+    return Value(x, dst, v.shape, v.dtype)
+
+  def once(self, key: tuple, x, make: Callable[[], Any]) -> Any:
+    """``make()``, computed once per (``key``, local array ``x``, trace) and
+    reused after: what a rule derives from ``x`` by collectives (a reshard,
+    a windowed einsum's ring of blocks) is sent and recorded once. Keyed by
+    the trace too: a scan / cond body must not reuse (or leak) another
+    trace's value."""
+    key, trace = (id(x), *key), get_opaque_trace_state()
+    for seen_trace, seen_x, out in self._memo.get(key, ()):
+      if seen_x is x and seen_trace == trace:
+        return out
+    out = make()
+    self._memo.setdefault(key, []).append((trace, x, out))   # keeps x alive: ids stay unique
     return out
 
   def record(self, kind: str, axes, nbytes: int, eqn, role: str, src: TensorSharding,

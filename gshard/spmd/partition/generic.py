@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd import factors, registry, reshard
+from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
 from gshard.spmd.sharding import TensorSharding, fit_axes
@@ -398,19 +399,25 @@ def mask_padding(ctx: Context, eqn, plan: LocalPlan, xs: list) -> list:
   return out
 
 
-def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> list[Value]:
+def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
+               window: windowed_einsum.Window | None = None) -> list[Value]:
   """Reshard ``ins`` to ``plan``'s operands, mask padding, bind the primitive on
-  local values with local shape params; the results' values (shapes checked)."""
+  local values with local shape params; the results' values (shapes checked).
+
+  With a ``window`` (``windowed_einsum.choose``) the gather of its operand, or
+  the reduce-scatter of the result, is a ring of ppermutes around the local op
+  instead."""
   note_options(ctx, eqn, plan, ins)
   xs = []
   for j, (v, s) in enumerate(zip(ins, plan.operands)):
-    if s is None:
-      xs.append(v.x)
+    if s is None or (window is not None and window.operand == j):
+      xs.append(v.x)          # a literal, or the block that circulates
     else:
       xs.append(ctx.reshard(v, s, eqn, f"operand {j}").x)
   xs = mask_padding(ctx, eqn, plan, xs)
+  results = plan.results if window is None else list(window.results)
   out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
-  out_local = [s.local_shape(sh, ctx.mesh_sizes) for s, sh in zip(plan.results, out_shapes)]
+  out_local = [s.local_shape(sh, ctx.mesh_sizes) for s, sh in zip(results, out_shapes)]
   in_local = [tuple(np.shape(x)) for x in xs]
   params = local_params(eqn, out_local, in_local)
   if eqn.primitive.name == "reshape" and math.prod(in_local[0]) != math.prod(out_local[0]):
@@ -418,15 +425,18 @@ def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> list[Val
         f"gshard internal error: local reshape {in_local[0]} -> {out_local[0]} changes "
         f"the element count (global {eqn.invars[0].aval.shape} -> {out_shapes[0]}, "
         f"operand {plan.operands[0]}, result {plan.results[0]}).")
-  outs = eqn.primitive.bind(*xs, **params)
-  outs = list(outs) if eqn.primitive.multiple_results else [outs]
-  for o, want, s in zip(outs, out_local, plan.results):
+  if window is not None:
+    outs = windowed_einsum.run(ctx, eqn, window, plan, ins, xs, params)
+  else:
+    outs = eqn.primitive.bind(*xs, **params)
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+  for o, want, s in zip(outs, out_local, results):
     if tuple(np.shape(o)) != tuple(want):
       raise AssertionError(
           f"gshard internal error: {eqn.primitive.name} gave local shape "
           f"{tuple(np.shape(o))}, expected {want} for sharding {s}.")
   return [Value(o, s, sh, v.aval.dtype)
-          for o, s, sh, v in zip(outs, plan.results, out_shapes, eqn.outvars)]
+          for o, s, sh, v in zip(outs, results, out_shapes, eqn.outvars)]
 
 
 def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
@@ -436,7 +446,7 @@ def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   except NotImplementedError:   # a case the sharding rule does not cover
     return safe_rule(ctx, eqn, ins, scope, idx)
   plan = plan_local(ctx, eqn, ins, scope)
-  return bind_local(ctx, eqn, plan, ins)
+  return bind_local(ctx, eqn, plan, ins, windowed_einsum.choose(ctx, eqn, plan, ins, scope))
 
 
 def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:

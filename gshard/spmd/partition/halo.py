@@ -99,17 +99,9 @@ def halo_plan(n: int, length: int, lo: int, advance: int, width: int) -> Halo | 
 
 def permute(ctx: Context, x, axes, dest):
   """``lax.ppermute`` over ``axes``: the device at linear index ``i`` (major
-  first over ``axes``) sends ``x`` to ``dest(i)`` (``None``: to nobody).
-
-  jax numbers a multi-axis ppermute's devices in mesh order, whatever the
-  order of the names given: the pairs are renumbered to it.
-  """
-  n = ctx.num_shards(axes)
-  order = collectives.mesh_axis_order(ctx.mesh_sizes)
-  mesh_axes = tuple(sorted(axes, key=order.index))
-  renumber = collectives.renumbering(tuple(axes), mesh_axes, ctx.mesh_sizes)
-  pairs = [(renumber[i], renumber[dest(i)]) for i in range(n) if dest(i) is not None]
-  return lax.ppermute(x, collectives.axis_name(mesh_axes), pairs)
+  first over ``axes``) sends ``x`` to ``dest(i)`` (``None``: to nobody);
+  :func:`gshard.spmd.collectives.permute` on this context's mesh."""
+  return collectives.permute(x, axes, ctx.mesh_sizes, dest)
 
 
 def _row_bytes(x, dim: int) -> int:
