@@ -44,6 +44,8 @@ bench: venv
 	$(PY) benchmarks/moe.py --devices 2,4,8,16,32
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/client.py
+	$(PY) benchmarks/windowed.py
 	$(PY) benchmarks/dispatch.py
 	$(PY) benchmarks/auto.py
 

@@ -299,6 +299,22 @@ def mark_partials(graph: Graph, max_trials: int = MAX_TRIALS) -> dict[Tensor, fr
     last = rnd.pending
     if rnd.total < best.total:
       resolved, best = trial, rnd
+  # A contraction's pending sum carried only through a transpose: summed at the
+  # contraction when that costs no more (jax transposes a weight gradient
+  # after its dot; XLA:CPU folds a transpose it meets before the psum into the
+  # dot and runs it as a slower transposed-operand matmul).
+  for k, b in enumerate(graph.bounds):
+    if b.eqn.primitive.name != "dot_general":
+      continue
+    t = b.results[0]
+    readers = index.consumers.get(t, ())
+    if t is None or t in resolved or not best.pending.get(t) or len(readers) != 1 \
+        or readers[0].eqn.primitive.name != "transpose":
+      continue
+    trial = set(resolved) | {t}
+    rnd = _settle(graph, trial, reduced, index, best, {t})
+    if rnd.total <= best.total:
+      resolved, best = trial, rnd
   return best.pending
 
 
