@@ -34,6 +34,7 @@ from gshard.auto.memory import ProgramMemory
 from gshard.auto.plan import Choice, Cost, Plan
 from gshard.auto.search import Options, add_runner_ups, search
 from gshard.auto.solve import Infeasible
+from gshard.spmd import _gc
 from gshard.spmd.infer import flatten_specs, pinned_graph, trace
 from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
@@ -131,10 +132,10 @@ class AutoShard:
     t0 = time.perf_counter()
     ms = self.mesh_sizes
     leaves, paths, specs = flatten_specs(self.in_specs, tuple(args))
-    with mesh_context(ms):
+    with mesh_context(ms), _gc.paused():     # as gshard.partition builds: spmd/_gc.py
       closed, _ = trace(self.fn, args)
-    jaxpr = closed.jaxpr
-    graph = pinned_graph(jaxpr, ms, leaves, paths, specs)
+      jaxpr = closed.jaxpr
+      graph = pinned_graph(jaxpr, ms, leaves, paths, specs)
     secs["trace"] = time.perf_counter() - t0
     structs = _structs(args)
     evaluate = self._evaluator(structs)
@@ -145,7 +146,8 @@ class AutoShard:
     for rnd in range(MEMORY_ROUNDS):
       opts = dataclasses.replace(self.opts, memory_limit=budget)
       try:
-        found = search(graph, jaxpr, ms, opts, paths, cache=cache, runner_ups=False)
+        with _gc.paused():
+          found = search(graph, jaxpr, ms, opts, paths, cache=cache, runner_ups=False)
       except Infeasible as e:
         if solved is None:
           # the model's minimum, scaled back to compiled bytes
@@ -164,7 +166,8 @@ class AutoShard:
         t = graph.tensors.get(((), var))
         s = prob.layout(t, choice) if t is not None else TensorSharding.replicated(0)
         inputs.append((var, s))
-      real = R.realize(jaxpr, ms, prob, choice, inputs, self.opts.min_bytes)
+      with _gc.paused():
+        real = R.realize(jaxpr, ms, prob, choice, inputs, self.opts.min_bytes)
       secs["realize"] = secs.get("realize", 0.0) + time.perf_counter() - t1
       tree = jax.tree_util.tree_structure(tuple(args))
       in_specs = jax.tree_util.tree_unflatten(tree, [s.to_spec() for _, s in inputs])
