@@ -44,7 +44,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.extend.core import jaxprs_in_params  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
