@@ -169,11 +169,12 @@ def test_scanned_layer_stack_keeps_its_loops():
     if b.bytes == 4 * a.bytes != a.bytes:
       in_loop.append(a)
   # in the loop: each stacked parameter's gradient summed over data, once per
-  # layer (one layer's slice), and over model only activations [B, T(, D)]
+  # layer (one layer's slice; summed before jax's transpose of it, so its dims
+  # in any order), and over model only activations [B, T(, D)]
   layers = jax.eval_shape(lambda: M.gpt_scan_init(jax.random.PRNGKey(0), n_layers=2,
                                                   **GPT_SIZES))["layers"]
-  assert sorted(c.shape for c in in_loop if "data" in c.axes) == sorted(
-      x.shape[1:] for x in jax.tree.leaves(layers))
+  assert sorted(tuple(sorted(c.shape)) for c in in_loop if "data" in c.axes) == sorted(
+      tuple(sorted(x.shape[1:])) for x in jax.tree.leaves(layers))
   assert {c.shape for c in in_loop if c.axes == ("model",)} == {(8, 8, 32), (8, 8)}
 
 

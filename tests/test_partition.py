@@ -508,8 +508,8 @@ def test_lowered_inspection_api():
   cols = low.collectives()
   assert all(isinstance(c, gshard.Collective) for c in cols)
   assert sorted((c.kind, c.axes, c.primitive, c.bytes) for c in cols) == [
-      ("psum", ("data",), "div", 4), ("psum", ("data",), "mul", 4096),
-      ("psum", ("data",), "mul", 4096), ("psum", ("model",), "dot_general", 1536)]
+      ("psum", ("data",), "div", 4), ("psum", ("data",), "dot_general", 4096),
+      ("psum", ("data",), "dot_general", 4096), ("psum", ("model",), "dot_general", 1536)]
   line = line_of(M.mlp_loss, 'out = h @ params["w2"]')
   fwd = [c for c in cols if c.axes == ("model",)]
   assert len(fwd) == 1 and fwd[0].kind == "psum" and fwd[0].primitive == "dot_general"
