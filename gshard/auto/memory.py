@@ -8,9 +8,12 @@ and never materialises their insides, so a value counts only where XLA keeps a
 buffer for it: the result of an op that is not elementwise (a matmul, a
 reduction, a gather, a call ...), an operand of a matmul, reduction, gather or
 scatter, and a program output. The live bytes of those values, swept in program
-order over the top-level program, track ``compiled.memory_analysis()``'s
-``temp_size_in_bytes`` within the tolerance ``tests/test_auto_memory.py``
-states.
+order over the top-level program, are a model of what
+``compiled.memory_analysis()`` counts, not a copy of it (XLA also holds the
+gathered copies of values read by several contractions, and the outputs):
+``auto_shard`` checks each plan against the compiled program and solves again
+with a tighter budget where XLA needs more (``api``); ``tests/test_auto.py``
+bounds the ratio.
 
 :class:`Liveness` gives, for a few points of the program, the set of values
 live there; the solver constrains the memory at those points (the peaks of the

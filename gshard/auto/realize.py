@@ -94,6 +94,13 @@ def realize(jaxpr, mesh_sizes, prob: Problem, choice: dict[int, int],
         or rounds > MAX_ROUNDS:
       break
     picks = _which(prob, values, real, differ, tops, made)
+    if rounds < MAX_ROUNDS and all(
+        pins.get(tops[vi][0].tensor.var) == prob.vars[vi].item.layout_of(
+            tops[vi][0], prob.vars[vi].item.candidates[values[vi]])
+        for vi in picks[:PER_ROUND]):
+      # this round's pins are in already: the rounds up to the last would
+      # propagate the same graph again, so go to the last (it pins every pick)
+      rounds = MAX_ROUNDS
     for vi in picks[:PER_ROUND] if rounds < MAX_ROUNDS else picks:
       m = tops[vi][0]
       pins[m.tensor.var] = prob.vars[vi].item.layout_of(

@@ -43,11 +43,18 @@ class Solution:
 
 
 class Infeasible(Exception):
-  """No assignment meets the memory limit (``minimum``: the least memory found)."""
+  """No assignment meets the memory limit (``minimum``: the least memory any
+  assignment reaches, a second integer program solved only when asked for)."""
 
-  def __init__(self, minimum: float):
-    super().__init__(f"no layout fits; the least memory found is {minimum:.0f} bytes")
-    self.minimum = minimum
+  def __init__(self, minimum):
+    super().__init__("no layout fits the memory limit")
+    self._minimum = minimum
+
+  @property
+  def minimum(self) -> float:
+    if callable(self._minimum):
+      self._minimum = float(self._minimum())
+    return self._minimum
 
 
 class Solver:
@@ -289,8 +296,12 @@ class Solver:
           ub[off[v] + k] = 0.0
     cons = [optimize.LinearConstraint(a_eq, rhs, rhs)]
     if limit is not None and self.K:
-      cons.append(optimize.LinearConstraint(sparse.csr_array(mem_all), -np.inf,
-                                            limit - self.constant_mem))
+      # rows in units of the limit: bytes (up to 1e7 and more) next to 0/1
+      # choice rows leave HiGHS badly scaled and slower (the feasible set is
+      # the same)
+      unit = max(1.0, abs(float(limit)))
+      cons.append(optimize.LinearConstraint(sparse.csr_array(mem_all / unit), -np.inf,
+                                            (limit - self.constant_mem) / unit))
     scale = max(1.0, float(np.abs(c_all).max()) if m else 1.0)
     res = optimize.milp(c_all / scale, constraints=cons,
                         integrality=np.concatenate([np.ones(n), np.zeros(m - n)]),
@@ -299,7 +310,7 @@ class Solver:
     if res.x is None:
       if res.status == 1:     # out of time without an assignment
         raise TimeoutError(f"the integer program found no assignment in {time_limit} s")
-      raise Infeasible(self.min_memory(forbid))
+      raise Infeasible(lambda: self.min_memory(forbid))
     choice = {v: int(self.alive[v][int(np.argmax(res.x[off[v]:off[v] + len(self.cost[v])]))])
               for v in vs}
     return Solution(self.expand(choice), float(c_all @ res.x) + self.constant,
