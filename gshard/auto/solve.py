@@ -114,7 +114,13 @@ class Solver:
   # -- reduction ---------------------------------------------------------------
   def _memory_free(self, v) -> bool:
     m = self.mem[v]
-    return v not in self.keep and (m.size == 0 or np.ptp(m, axis=1).max() == 0)
+    if v in self.keep or not (m.size == 0 or np.ptp(m, axis=1).max() == 0):
+      return False
+    for u in self.nbrs[v]:
+      mm = self._edge(v, u)[1]
+      if mm is not None and mm.size and np.ptp(mm, axis=1).max() > 0:
+        return False
+    return True
 
   def _fold(self, v) -> bool:
     ns = sorted(self.nbrs[v])
@@ -283,12 +289,18 @@ class Solver:
   def solve(self, limit: float | None, forbid: dict[int, list[int]] | None = None,
             time_limit: float = 60.0) -> Solution:
     """The cheapest assignment with every memory row at most ``limit`` (None: no
-    limit). ``forbid``: variable -> original choices it may not take.
-    Raises :class:`Infeasible`."""
+    limit). ``forbid``: variable -> original choices it may not take; after
+    :meth:`reduce`, only variables in ``keep`` (the others may have been folded
+    away, or lost a choice identical to a forbidden one). Raises
+    :class:`Infeasible`."""
     from scipy import optimize, sparse
     t0 = time.perf_counter()
     c_all, a_eq, rhs, mem_all, n, off, vs = self._model()
     m = len(c_all)
+    if m == 0:
+      if limit is not None and self.K and np.any(self.constant_mem > limit):
+        raise Infeasible(lambda: self.min_memory(forbid))
+      return Solution(self.expand({}), self.constant, self.constant_mem.copy(), 0.0, "optimal")
     ub = np.ones(m)
     for v, orig in (forbid or {}).items():
       if v in self.alive:
@@ -331,16 +343,17 @@ class Solver:
         for k in np.nonzero(np.isin(self.alive[v], orig))[0]:
           ub[off[v] + k] = 0.0
     a_eq = sparse.hstack([a_eq, sparse.csr_array((a_eq.shape[0], 1))])
-    a_mem = sparse.hstack([sparse.csr_array(mem_all), -np.ones((self.K, 1))])
+    unit = max(1.0, float(np.abs(mem_all).max()) if mem_all.size else 1.0)
+    a_mem = sparse.hstack([sparse.csr_array(mem_all / unit), -np.ones((self.K, 1))])
     obj = np.zeros(m + 1)
     obj[m] = 1.0
     res = optimize.milp(obj, constraints=[optimize.LinearConstraint(a_eq, rhs, rhs),
                                           optimize.LinearConstraint(
-                                              a_mem, -np.inf, -self.constant_mem)],
+                                              a_mem, -np.inf, -self.constant_mem / unit)],
                         integrality=np.concatenate([np.ones(n), np.zeros(m + 1 - n)]),
                         bounds=optimize.Bounds(np.zeros(m + 1), ub),
                         options={"time_limit": 60.0})
-    return float(res.fun) if res.x is not None else float("inf")
+    return float(res.fun) * unit if res.x is not None else float("inf")
 
   def expand(self, choice: dict[int, int]) -> dict[int, int]:
     """Every variable's (original) choice from those of the remaining ones."""
