@@ -14,7 +14,10 @@ first step's result, in one process:
 Reports the seconds of each phase and two ratios: gshard's own time over
 GSPMD's whole path (trace + lower + compile), and time to first step over
 GSPMD's. Every pair is measured back to back, so machine load hits both, on
-arguments already placed with the specs, and gshard's memos emptied first.
+arguments already placed with the specs, and gshard's memos emptied first. XLA's
+compile of one program varies by about 10% from one compile to the next, so a
+pair that takes under a minute runs three times, the order of the two systems
+alternating, and each phase is the median.
 
 Run: ``.venv/bin/python benchmarks/first_step.py [--quick] [--layers=4,16,32,64]``
 (part of ``make bench``).
@@ -32,6 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -79,29 +83,47 @@ def _clock(fn):
   return out, time.perf_counter() - t0
 
 
-def measure(n_layers: int, scan: bool, mesh) -> dict:
-  step, args, specs = case(n_layers, scan)
-  # placed first: the first call of either system would otherwise compile jax's
-  # small resharding programs, which the system measured second finds compiled
-  args = jax.block_until_ready(_placed(args, specs, mesh))
+def _gshard(step, args, specs, mesh) -> dict:
   _cold()
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", gshard.PartitionWarning)
     lowered, own = _clock(lambda: gshard.partition(step, mesh, in_specs=specs).lower(*args))
   compiled, g_compile = _clock(lowered.compile)
   _, g_run = _clock(lambda: jax.block_until_ready(compiled(*args)))
+  return {"own": own, "propagate": lowered.timings["propagate"], "g_compile": g_compile,
+          "g_first": own + g_compile + g_run}
+
+
+def _gspmd(step, args, specs, mesh) -> dict:
   jitted = gshard.gspmd_jit(step, mesh, in_specs=specs)
   traced, x_trace = _clock(lambda: jitted.trace(*args))
   xla_lowered, x_lower = _clock(traced.lower)
   xla_compiled, x_compile = _clock(xla_lowered.compile)
   _, x_run = _clock(lambda: jax.block_until_ready(xla_compiled(*args)))
-  t = lowered.timings
-  x_path = x_trace + x_lower + x_compile
-  return {"layers": n_layers, "scan": scan, "own": own, "propagate": t["propagate"],
-          "g_compile": g_compile, "g_first": own + g_compile + g_run,
-          "x_trace": x_trace, "x_lower": x_lower, "x_compile": x_compile,
-          "x_first": x_path + x_run, "own_ratio": own / x_path,
-          "first_ratio": (own + g_compile + g_run) / (x_path + x_run)}
+  return {"x_trace": x_trace, "x_lower": x_lower, "x_compile": x_compile,
+          "x_first": x_trace + x_lower + x_compile + x_run}
+
+
+def measure(n_layers: int, scan: bool, mesh, repeats: int = 1) -> dict:
+  """Both systems from a new function to the first step, ``repeats`` times
+  with the order alternating (XLA's compile time varies by +-10% from one
+  compile to the next); each phase's median."""
+  _, args, specs = case(n_layers, scan)
+  # placed first: the first call of either system would otherwise compile jax's
+  # small resharding programs, which the system measured second finds compiled
+  args = jax.block_until_ready(_placed(args, specs, mesh))
+  runs = []
+  for i in range(repeats):
+    order = (_gshard, _gspmd) if i % 2 == 0 else (_gspmd, _gshard)
+    r = {}
+    for system in order:
+      r.update(system(case(n_layers, scan)[0], args, specs, mesh))   # a new function each
+    runs.append(r)
+  med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+  x_path = med["x_trace"] + med["x_lower"] + med["x_compile"]
+  return {"layers": n_layers, "scan": scan, "repeats": repeats, **med,
+          "own_ratio": med["own"] / x_path,
+          "first_ratio": med["g_first"] / med["x_first"]}
 
 
 def main(quick: bool = False, layers=None) -> list[dict]:
@@ -111,7 +133,8 @@ def main(quick: bool = False, layers=None) -> list[dict]:
   rows = []
   for n in layers or ((4, 16) if quick else (4, 16, 32, 64)):
     for scan in (False, True):
-      rows.append(measure(n, scan, mesh))
+      # a pair that takes under a minute is measured three times
+      rows.append(measure(n, scan, mesh, repeats=3 if scan or n <= 16 else 1))
       r = rows[-1]
       print(f"L={n} scan={scan}: own {r['own']:.2f}s ({r['own_ratio']:.2f}x GSPMD path), "
             f"first step {r['g_first']:.2f}s vs {r['x_first']:.2f}s", flush=True)
@@ -123,7 +146,11 @@ def main(quick: bool = False, layers=None) -> list[dict]:
            "(`gshard.gspmd_jit`, the same annotations as sharding constraints): "
            "jax's trace, lower, XLA's compile (with GSPMD's partitioner), the first "
            "step. Each pair measured back to back in one process, on arguments "
-           "already placed with the specs, gshard's memos emptied first; seconds.", "",
+           "already placed with the specs, gshard's memos emptied first; seconds. "
+           "XLA's compile time of one program varies by about 10% between "
+           "compiles: pairs under a minute (scanned, and up to 16 unrolled layers) "
+           "run three times with the systems' order alternating, and every column "
+           "is the median.", "",
            "Reproduce: `python benchmarks/first_step.py` (part of `make bench`).", "",
            "| layers | scan | gshard own | of which propagate | gshard's XLA compile "
            "| GSPMD trace | GSPMD lower | GSPMD compile | own / GSPMD path "
