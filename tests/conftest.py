@@ -17,6 +17,16 @@ import re
 
 _DEVICE_COUNT = 8
 _FLAG = f"--xla_force_host_platform_device_count={_DEVICE_COUNT}"
+# XLA's CPU backend at LLVM's -O1, not its default -O2: a quarter of every
+# compile here, and the suite compiles ~1000 programs. What the tests check
+# is decided before LLVM runs (the HLO gshard emits, its collectives, buffer
+# assignment, i.e. memory_analysis) or is a value compared with the one-device
+# program compiled with the same flags, within a bound derived from the
+# arithmetic. (-O0 would halve the compiles again, but its programs round
+# differently from -O2's in the last bits; -O1's gave -O2's bits on the
+# programs compared.) Launched processes inherit the flags.
+# ``GSHARD_TEST_XLA_OPT=1`` keeps XLA's default.
+_OPT_FLAG = "--xla_backend_optimization_level=1"
 
 # Append to any XLA_FLAGS already set, replacing an earlier device-count flag so
 # the value is unambiguous.
@@ -24,7 +34,8 @@ _existing = re.sub(
     r"--xla_force_host_platform_device_count=\S*", "",
     os.environ.get("XLA_FLAGS", ""),
 ).split()
-os.environ["XLA_FLAGS"] = " ".join([*_existing, _FLAG])
+os.environ["XLA_FLAGS"] = " ".join(
+    [*_existing, _FLAG, *([] if os.environ.get("GSHARD_TEST_XLA_OPT") == "1" else [_OPT_FLAG])])
 # Run on the CPU host platform unless the caller chose a platform explicitly;
 # on a machine with one accelerator jax.devices() would otherwise return 1 device.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

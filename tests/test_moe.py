@@ -11,6 +11,8 @@ in gshard's records and in XLA's optimized HLO.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,7 +158,9 @@ BATCH, SEQ = 8, 8
 
 def _transformer(shape, names):
   model_axis = "model" if len(shape) == 2 else None
-  params = MT.init(jax.random.PRNGKey(0), num_experts=shape[0], **SMALL)
+  # jitted: eagerly, each of init's random draws would compile a program of its own
+  params = jax.jit(functools.partial(MT.init, num_experts=shape[0], **SMALL))(
+      jax.random.PRNGKey(0))
   step = MT.make_step(ADAM, model_axis=model_axis)
   specs = (MT.specs(params, "expert", model_axis), None, P("expert"), P("expert"), P())
   tokens, targets = M.synthetic_batch(jax.random.PRNGKey(1), BATCH, SEQ, SMALL["vocab"])

@@ -119,13 +119,23 @@ def _script(tmp_path, body: str) -> str:
   return str(path)
 
 
+def test_launcher_replaces_only_the_device_count_flag():
+  from gshard.launch import process_env
+  count = "--xla_force_host_platform_device_count=8"
+  env = process_env({"XLA_FLAGS": count}, 0, 2, 4, 1234, 5, 5, 5)
+  assert "XLA_FLAGS" not in env and env["JAX_NUM_CPU_DEVICES"] == "4"
+  env = process_env({"XLA_FLAGS": f"--xla_a=1 {count} --xla_b=2"}, 1, 2, 4, 1234, 5, 5, 5)
+  assert env["XLA_FLAGS"] == "--xla_a=1 --xla_b=2"
+
+
 def test_launcher_sets_the_runtime_environment_and_prefixes_output(tmp_path):
   script = _script(tmp_path, """
       import os
       e = os.environ
       print(e["GSHARD_PROCESS_ID"], e["GSHARD_NUM_PROCESSES"], e["JAX_COORDINATOR_ADDRESS"],
             e["JAX_NUM_CPU_DEVICES"], e["JAX_PLATFORMS"],
-            e["JAX_CPU_COLLECTIVES_IMPLEMENTATION"], "XLA_FLAGS" in e)
+            e["JAX_CPU_COLLECTIVES_IMPLEMENTATION"],
+            "device_count" in e.get("XLA_FLAGS", ""), e.get("XLA_FLAGS") == "")
       import sys; print("to stderr", file=sys.stderr)
   """)
   t0 = time.monotonic()
@@ -133,7 +143,9 @@ def test_launcher_sets_the_runtime_environment_and_prefixes_output(tmp_path):
   assert rc == 0, out
   port = re.search(r"coordinator 127\.0\.0\.1:(\d+)", out).group(1)
   for i in range(3):
-    assert f"[p{i}] {i} 3 127.0.0.1:{port} 2 cpu gloo False" in out, out
+    # the device-count flag is gone (the suite's other XLA flags are kept), and
+    # no empty XLA_FLAGS is left behind
+    assert f"[p{i}] {i} 3 127.0.0.1:{port} 2 cpu gloo False False" in out, out
     assert f"[p{i}] to stderr" in out
   assert time.monotonic() - t0 < 60
 

@@ -9,8 +9,9 @@ the loss over the whole batch): for the stack, the loss parameters, the
 input and the (float) targets. Tolerances are derived, never tuned
 (``helpers_numerics.assert_close_to_f64``): the pipeline and the one-device
 f32 loop are both compared with the f64 loop, each element within
-``sqrt(n) E`` with ``n`` the batch (the longest sum, every weight gradient
-sums over the batch rows) and ``E`` the one-device f32 loop's own error.
+``sqrt(n) E`` with ``n`` the longest sum (every weight gradient sums over the
+batch rows, the layers' matmuls over D and H) and ``E`` the one-device f32
+loop's own error.
 
 Also: the executed tick loop has the table's length and one permute each way
 per phase, and without remat 1F1B's temporary memory shrinks with M at a fixed
@@ -35,7 +36,7 @@ from gshard import pipeline
 from gshard.spmd.partition.pipeline import SwitchWarning
 from helpers_numerics import assert_close_to_f64, f64_run, to_host
 from helpers_partition import mesh
-from test_pipeline_run import D, megatron_layer, megatron_layers, param_specs, tanh_layer, \
+from test_pipeline_run import D, H, megatron_layer, megatron_layers, param_specs, tanh_layer, \
     tanh_layers
 
 
@@ -73,7 +74,8 @@ def check(layer_fn, layers, lp, x, t, got, layout, what):
   want = to_host(plain(layer_fn)(layers, lp, x, t))
   exact = f64_run(plain(layer_fn), layers, lp, x, t)
   restack = lambda r: (r[0], (pipeline.stack(r[1][0], **layout),) + tuple(r[1][1:]))
-  assert_close_to_f64(to_host(got), restack(want), restack(exact), n=x.shape[0], what=what)
+  assert_close_to_f64(to_host(got), restack(want), restack(exact), n=max(x.shape[0], D, H),
+                      what=what)
 
 
 CASES = [

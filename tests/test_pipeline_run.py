@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 import gshard
 from gshard import pipeline
 from gshard.annotate import current_mesh_sizes
+from helpers_numerics import assert_close_to_f64, to_host
 from helpers_partition import mesh
 
-EPS32 = float(np.finfo(np.float32).eps)
 D, H = 16, 32
 
 
@@ -74,23 +74,17 @@ def _f64(tree):
 
 def check_against_plain(layer_fn, layers, x, y, got, *, layout=None, what=""):
   """``got`` (loss, gradients of the stack) against the float32 and the float64
-  plain loop (gradients restacked in ``got``'s layout)."""
+  plain loop (gradients restacked in ``got``'s layout), within the derived
+  bound of ``helpers_numerics`` (the longest sum: the batch rows of a weight
+  gradient, or a matmul's D or H)."""
   layout = layout or {}
   loss32, grads32 = jax.value_and_grad(lambda ls: plain_loss(layer_fn, ls, x, y))(layers)
   with jax.enable_x64(True):
     loss64, grads64 = jax.value_and_grad(lambda ls: plain_loss(layer_fn, ls, *_f64((x, y))))(
         _f64(layers))
     exact = jax.tree.map(np.asarray, (loss64, pipeline.stack(grads64, **layout)))
-  ref32 = (loss32, pipeline.stack(grads32, **layout))
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(got)[0]]
-  assert len(paths) == len(jax.tree.leaves(exact))
-  for path, g, r, e in zip(paths, jax.tree.leaves(got), jax.tree.leaves(ref32),
-                           jax.tree.leaves(exact)):
-    scale = max(float(np.max(np.abs(e))), 1e-30)
-    err_ref = float(np.max(np.abs(np.asarray(r, np.float64) - e))) / scale
-    err_got = float(np.max(np.abs(np.asarray(g, np.float64) - e))) / scale
-    assert err_got <= 4 * err_ref + 8 * EPS32, (what, path, err_got, err_ref)
-    assert err_got < 1e-5 and err_ref < 1e-5, (what, path, err_got, err_ref)
+  ref32 = to_host((loss32, pipeline.stack(grads32, **layout)))
+  assert_close_to_f64(to_host(got), ref32, exact, n=max(x.shape[0], D, H), what=f"{what}: ")
 
 
 def param_specs(layers, *, stage_dim=0, model=False):
@@ -157,20 +151,28 @@ def test_pipeline_equals_plain_loop(name, mesh_args, layer, num_layers, m, kw):
     assert ("psum", ("model",)) in kinds
 
 
-def test_off_mesh_run_is_the_plain_loop_bit_for_bit():
+def test_off_mesh_run_is_the_plain_loop():
+  """Off a mesh ``run`` is the plain loop in the stack's layer order (a scan of
+  the layers, compiled its own way: within the derived bound of the f64 loop,
+  as the Python loop of eager layers is)."""
   layers = tanh_layers(jax.random.PRNGKey(0), 8)
   x = jax.random.normal(jax.random.PRNGKey(1), (12, D))
   want = x
   for p in layers:
     want = tanh_layer(p, want)
+  with jax.enable_x64(True):
+    exact = _f64(x)
+    for p in _f64(layers):
+      exact = tanh_layer(p, exact)
+    exact = np.asarray(exact)
   for layout in ({}, {"repeats": 2}, {"balance": [1, 3, 3, 1]}, {"repeats": 4}):
     stacked = pipeline.stack(layers, **layout)
     for remat in (True, False):
       got = pipeline.run(tanh_layer, stacked, x, num_microbatches=3, remat=remat, **layout)
-      np.testing.assert_array_equal(got, want, err_msg=str(layout))
+      assert_close_to_f64(to_host(got), to_host(want), exact, n=D, what=f"{layout}: ")
       got = jax.jit(lambda s, x: pipeline.run(tanh_layer, s, x, num_microbatches=4,
                                                remat=remat, **layout))(stacked, x)
-      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=str(layout))
+      assert_close_to_f64(to_host(got), to_host(want), exact, n=D, what=f"jit {layout}: ")
 
 
 def test_on_a_mesh_without_the_stage_axis_run_is_the_plain_loop():
