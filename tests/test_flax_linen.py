@@ -28,7 +28,6 @@ import warnings
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P

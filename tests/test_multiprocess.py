@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import textwrap
 import time
 
 import numpy as np
 import pytest
 
-from helpers_launch import ROOT, TESTS, cache_dir, cli, run_launch
+from helpers_launch import TESTS, cache_dir, cli, run_launch
 
 CASES = ("mlp", "gpt", "moe")
 RTOL = 12 * 2 * 7 * 2.0 ** -24
