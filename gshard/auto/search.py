@@ -14,7 +14,9 @@ the limit holds at every point of the sweep.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import time
 from collections.abc import Mapping
 
@@ -230,17 +232,18 @@ def add_runner_ups(found: Search, opts: Options) -> Search:
 
 
 def _runner_ups(prob, solver, choice, inputs, mem, budget, opts) -> dict[int, RunnerUp]:
-  """For each argument's value: the best plan that lays it out otherwise."""
-  out: dict[int, RunnerUp] = {}
+  """For each argument's value: the best plan that lays it out otherwise.
+
+  The integer programs are independent and HiGHS runs without Python's lock,
+  so they are solved in threads, one per core: the deadline is shared."""
   deadline = time.perf_counter() + opts.runner_up_seconds
-  done: dict[int, RunnerUp] = {}
+  asked: dict[int, int] = {}        # tied class -> the first argument's value asking
   for vi in inputs:
-    if prob.vars[vi].n <= 1:
-      continue
-    c = solver.cls[vi]
-    if c in done:                # a tied layer's copy: the same runner-up
-      out[vi] = done[c]
-      continue
+    if prob.vars[vi].n > 1:
+      asked.setdefault(solver.cls[vi], vi)
+  solver.solver._model()            # built once, before the threads read it
+
+  def one(vi) -> RunnerUp:
     left = deadline - time.perf_counter()
     if left > 0.5:
       try:
@@ -248,17 +251,20 @@ def _runner_ups(prob, solver, choice, inputs, mem, budget, opts) -> dict[int, Ru
                            time_limit=min(opts.time_limit, left)).choice
         exact = True
       except (solve.Infeasible, TimeoutError):
-        out[vi] = RunnerUp(None, float("inf"), float("inf"), True)
-        continue
+        return RunnerUp(None, float("inf"), float("inf"), True)
     else:
       alt, exact = _local_alternative(prob, choice, vi), False
       if alt is None:
-        out[vi] = RunnerUp(None, float("inf"), float("inf"), False)
-        continue
+        return RunnerUp(None, float("inf"), float("inf"), False)
     sent = sum(b for b, _, _ in problem.evaluate(prob, alt))
-    used = mem.of(lambda t, a=alt: prob.layout(t, a))
-    out[vi] = done[c] = RunnerUp(alt[vi], sent, used.peak, exact)
-  return out
+    used = mem.of(lambda t: prob.layout(t, alt))
+    return RunnerUp(alt[vi], sent, used.peak, exact)
+
+  workers = max(1, min(len(asked), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    done = dict(zip(asked, pool.map(one, asked.values())))
+  return {vi: done[solver.cls[vi]] for vi in inputs
+          if prob.vars[vi].n > 1}
 
 
 def _same_tiling(v: problem.Value, j: int) -> list[int]:
