@@ -241,7 +241,7 @@ def _runner_ups(prob, solver, choice, inputs, mem, budget, opts) -> dict[int, Ru
   for vi in inputs:
     if prob.vars[vi].n > 1:
       asked.setdefault(solver.cls[vi], vi)
-  solver.solver._model()            # built once, before the threads read it
+  solver.solver.prepare()           # built once, before the threads read it
 
   def one(vi) -> RunnerUp:
     left = deadline - time.perf_counter()

@@ -233,6 +233,10 @@ class Solver:
             "matrices": len(self.edges),
             "entries": sum(c.size for c, _ in self.edges.values())}
 
+  def prepare(self) -> None:
+    """Build the integer program now (before :meth:`solve` runs in several threads)."""
+    self._model()
+
   def _model(self):
     """(objective, equality matrix, rhs, memory matrix, number of binaries,
     offsets, variables), built once: the reduction is done by then."""
