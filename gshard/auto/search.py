@@ -263,8 +263,7 @@ def _runner_ups(prob, solver, choice, inputs, mem, budget, opts) -> dict[int, Ru
   workers = max(1, min(len(asked), os.cpu_count() or 1))
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     done = dict(zip(asked, pool.map(one, asked.values())))
-  return {vi: done[solver.cls[vi]] for vi in inputs
-          if prob.vars[vi].n > 1}
+  return {vi: done[solver.cls[vi]] for vi in inputs if solver.cls[vi] in done}
 
 
 def _same_tiling(v: problem.Value, j: int) -> list[int]:
