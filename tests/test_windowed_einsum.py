@@ -343,6 +343,43 @@ def test_contracted_gather_is_a_loop_of_one_collective_permute(dtype):
   assert re.search(r'"known_trip_count":\{"n":"7"\}', text), "the loop runs n-1 times"
 
 
+def test_explain_names_the_ring_and_the_collective_it_replaces():
+  """``explain()`` and ``choices()`` list the ring as the option chosen, with
+  its n-1 collective-permutes, and the collective it replaces beside it: the
+  same bytes, and more held per device (the gathered operand; the whole
+  partial result before its reduce-scatter). Without the option, no ring."""
+  m = mesh((4,), ("x",))
+  x, w = rand(2, 16, 32), rand(32, 64, seed=1)
+  gather = lambda x, w: jnp.einsum("btd,dh->bth", x, w)  # noqa: E731
+  h, w2 = rand(2, 16, 64), rand(64, 32, seed=1)
+  scatter = lambda h, w: jnp.einsum("btf,fd->btd", h, w)  # noqa: E731
+  cases = [(gather, (x, w), (P(None, "x"), P(None, "x")), None,
+            "(c) windowed einsum: ring of blocks", "operand 0", "all_gather[x]"),
+           (scatter, (h, w2), (P(None, None, "x"), P("x", None)), P(None, "x", None),
+            "(b) windowed einsum: ring of partial sums", "result 0", "psum_scatter[x]")]
+  for f, args, in_specs, out_specs, label, role, replaced in cases:
+    off = gshard.partition(f, m, in_specs=in_specs, out_specs=out_specs).lower(*args)
+    assert not any("windowed" in o.label for c in off.choices() for o in c.options)
+    on = gshard.partition(f, m, in_specs=in_specs, out_specs=out_specs,
+                          windowed_einsum=0).lower(*args)
+    (choice,) = on.choices()
+    (ring,) = [o for o in choice.options if o.chosen]
+    assert ring.label == label
+    assert ring.moves == ((role, "collective_permute[x] x3"),)
+    assert ring.bytes == sum(c.bytes for c in on.collectives()) == \
+        sum(c.bytes for c in off.collectives())
+    (plain,) = [o for o in choice.options if any(replaced in mv for _, mv in o.moves)]
+    assert not plain.chosen and plain.bytes == ring.bytes
+    # the ring holds two blocks (and a block of the result) where the gather
+    # holds x whole (3 of its 4 blocks more), the reduce-scatter the partial
+    # result whole
+    full = 2 * 16 * 32 * 4
+    assert plain.memory == (full - full // 4 if f is gather else full)
+    assert 0 < ring.memory < plain.memory
+    text = on.explain()
+    assert "chosen" in text and label in text and replaced in text
+
+
 # -- memory ---------------------------------------------------------------------
 
 def test_ring_holds_less_temp_memory_than_the_gather():

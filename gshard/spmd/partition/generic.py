@@ -179,10 +179,35 @@ def _numpy_dtype(dtype) -> bool:
   return True
 
 
-def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value]) -> None:
-  """Record a contraction's alternatives, when it had any, for ``explain()``."""
-  if len(plan.options) > 1:
-    ctx.note_choice(eqn, plan.options, ins, plan.results)
+def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
+                 window: windowed_einsum.Window | None = None) -> None:
+  """Record a contraction's alternatives, when it had any, for ``explain()``.
+  With a ``window``, the ring is the option chosen; the plan's collective is
+  listed beside it with what it would hold."""
+  options = plan.options
+  if window is not None:
+    # the collective the ring replaces: a reduce-scatter holds the whole
+    # partial result first (a gather's growth is its option's memory already)
+    options = tuple(dataclasses.replace(
+        o, chosen=False, memory=window.gathered if window.kind == "scatter" else o.memory)
+        if o.chosen else o for o in options) + (
+        _ring_option(window, next((o.bytes for o in options if o.chosen), 0)),)
+  if len(options) > 1:
+    ctx.note_choice(eqn, options, ins, plan.results if window is None else window.results)
+
+
+def _ring_option(window: windowed_einsum.Window, sent: int) -> Option:
+  """The windowed einsum ``window`` as an option: what the collective it
+  replaces sends, as ``n-1`` collective-permutes, holding ``window.held``."""
+  axes = ",".join(window.axes)
+  if window.kind == "gather":
+    label = "(c) windowed einsum: ring of blocks"
+    role = f"operand {window.operand}"
+  else:
+    label = "(b) windowed einsum: ring of partial sums"
+    role = "result 0"
+  return Option(label, sent, ((role, f"collective_permute[{axes}] x{window.n - 1}"),),
+                True, window.held)
 
 
 def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int) -> Option:
@@ -407,7 +432,7 @@ def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
   With a ``window`` (``windowed_einsum.choose``) the gather of its operand, or
   the reduce-scatter of the result, is a ring of ppermutes around the local op
   instead."""
-  note_options(ctx, eqn, plan, ins)
+  note_options(ctx, eqn, plan, ins, window)
   xs = []
   for j, (v, s) in enumerate(zip(ins, plan.operands)):
     if s is None or (window is not None and window.operand == j):

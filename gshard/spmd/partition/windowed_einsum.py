@@ -83,6 +83,7 @@ class Window:
     result_dim: the result dim holding it (None: contracted, ``gather`` only).
     results: the result shardings the ring produces.
     gathered: bytes per device the plan's collective would hold whole.
+    held: bytes per device the ring holds at a time (:func:`_ring_bytes`).
   """
 
   kind: str
@@ -94,6 +95,7 @@ class Window:
   result_dim: int | None
   results: tuple[TensorSharding, ...]
   gathered: int
+  held: int = 0
 
 
 def _itemsize(dtype) -> int:
@@ -182,7 +184,7 @@ def choose(ctx: Context, eqn, plan, ins: list[Value], scope) -> Window | None:
     if held >= gathered + (result if res_dims[0] is None else 0):
       continue
     best = Window("gather", j, axes, n, v.shape[d] // ctx.num_shards(v.sharding.dims[d]),
-                  op_dims, res_dims[0], tuple(plan.results), gathered)
+                  op_dims, res_dims[0], tuple(plan.results), gathered, held)
   if best is not None:
     return best
   return _scatter(ctx, eqn, plan, ins, scope, threshold)
@@ -237,10 +239,11 @@ def _scatter(ctx: Context, eqn, plan, ins, scope, threshold) -> Window | None:
   op_dims = _holds(factor, plan.rule.operands, plan.operands, res.dims[e])
   if op_dims is None or _dims_of(plan.rule.results[0], factor) != e:
     return None
-  if _ring_bytes(ctx, eqn, plan, ins, op_dims, None, e, n) >= full:
+  held = _ring_bytes(ctx, eqn, plan, ins, op_dims, None, e, n)
+  if held >= full:
     return None
   return Window("scatter", None, axes, n, shape[e] // ctx.num_shards(target.dims[e]),
-                op_dims, e, (target,), full)
+                op_dims, e, (target,), full, held)
 
 
 def _block(x, k, length: int, dim: int | None):
