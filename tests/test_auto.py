@@ -7,8 +7,11 @@ its compiled memory against the limit, and that partitioned with the plan the
 step equals one device.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -100,6 +103,38 @@ def test_weights_sharded_fsdp_style_when_the_memory_limit_requires_it(m8):
   assert plan.cost.memory <= plan.cost.compiled_memory <= 2.5 * plan.cost.memory
   assert "memory limit 10.0 MiB" in str(plan)
   check_equal_to_one_device(mlp_step, plan, m8, real(args), n=2048 * 512)
+
+
+def test_a_larger_memory_limit_never_fails_where_a_smaller_one_fits(m8):
+  """The solver's plan can compile to more than the limit (XLA keeps buffers
+  the model does not count): the plans at the model's least memory are tried
+  then, and they do not depend on the limit. Over limits from a third of the
+  unlimited plan's compiled memory to all of it: once a limit fits, every
+  larger one does; each plan fits its limit; each error names the least
+  compiled memory reached, above its limit; and the limits where the
+  solver's first plan does not fit (between the least and the unlimited
+  plan's memory) are found too."""
+  args = mlp_args(2048, 512, 1024)
+  top = gshard.auto_shard(mlp_step, m8, runner_up_seconds=0.0)(*args).cost.compiled_memory
+  fits, least = [], []
+  for limit in np.linspace(top / 3, top, 10):
+    try:
+      plan = gshard.auto_shard(mlp_step, m8, memory_limit=limit, runner_up_seconds=0.0)(*args)
+    except ValueError as e:
+      reached = float(re.search(r"reached is .*? \((\d+) bytes\)", str(e)).group(1))
+      assert reached > limit, str(e)
+      least.append(reached)
+      fits.append(False)
+      continue
+    assert plan.cost.compiled_memory <= limit
+    fits.append(True)
+  assert fits == sorted(fits), fits          # no fit, then only fits
+  assert 0 < fits.count(True) and 0 < fits.count(False)
+  # every failing limit was told the same least, and the first fitting limit
+  # is above it
+  assert len(set(least)) == 1
+  first_fit = np.linspace(top / 3, top, 10)[fits.index(True)]
+  assert first_fit >= least[0]
 
 
 def test_no_layout_fits_is_a_clear_error(m8):

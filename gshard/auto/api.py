@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from numbers import Real
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,7 +33,7 @@ from gshard.auto import realize as R
 from gshard.auto.annotations import annotate
 from gshard.auto.memory import ProgramMemory
 from gshard.auto.plan import Choice, Cost, Plan
-from gshard.auto.search import Options, add_runner_ups, search
+from gshard.auto.search import Options, add_runner_ups, least_memory, search
 from gshard.auto.solve import Infeasible
 from gshard.spmd import _gc
 from gshard.spmd.infer import flatten_specs, pinned_graph, trace
@@ -40,7 +41,34 @@ from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
 
-MEMORY_ROUNDS = 8   # solves with the budget tightened by the compiled memory
+# Under a memory limit, when the first plan compiles to more than the limit:
+PROBES = (0.001, 0.005, 0.02)   # budgets just above the model's least memory, m (1 + d)
+IMPROVE_ROUNDS = 2              # then budgets stepped up from the fitting one by
+IMPROVE_STEP = 0.05             # 5%, 10%, ... while the plan still fits
+
+
+@dataclasses.dataclass
+class _Attempt:
+  """One solve under a budget, realized and checked."""
+
+  found: Any                    # search.Search
+  opts: Options                 # with the budget solved under as memory_limit
+  in_specs: Any
+  annotations: list
+  cost: Cost
+
+  @property
+  def key(self):
+    return _program_key(self.in_specs, self.annotations)
+
+
+def _program_key(in_specs, annotations) -> tuple:
+  """What gshard partitions: two budgets' plans may realize to the same one."""
+  return str(in_specs), tuple(annotations)
+
+  def fits(self, limit) -> bool:
+    m = self.cost.compiled_memory
+    return limit is None or m is None or m <= limit
 
 
 def _check_options(mesh_sizes, memory_limit, bandwidth, latency, min_bytes, time_limit):
@@ -140,23 +168,14 @@ class AutoShard:
     structs = _structs(args)
     evaluate = self._evaluator(structs)
     limit = self.opts.memory_limit
-    budget, least = limit, None
-    solved, tight = None, None      # the last budget solved; the largest found infeasible
     cache: dict = {}
-    for rnd in range(MEMORY_ROUNDS):
+
+    def attempt(budget) -> _Attempt:
+      """Solve under ``budget`` (the model's bytes), realize, check: an
+      :class:`_Attempt`. Raises :class:`Infeasible`."""
       opts = dataclasses.replace(self.opts, memory_limit=budget)
-      try:
-        with _gc.paused():
-          found = search(graph, jaxpr, ms, opts, paths, cache=cache, runner_ups=False)
-      except Infeasible as e:
-        if solved is None:
-          # the model's minimum, scaled back to compiled bytes
-          m = e.minimum * (limit / budget if budget else 1.0)
-          raise self._infeasible(m if least is None else min(m, least)) from None
-        # tightened too far: halfway back to the last budget that solved
-        tight = budget if tight is None else max(tight, budget)
-        budget = (budget + solved) / 2
-        continue
+      with _gc.paused():
+        found = search(graph, jaxpr, ms, opts, paths, cache=cache, runner_ups=False)
       for k, v in found.seconds.items():
         secs[k] = secs.get(k, 0.0) + v
       prob, choice = found.problem, found.choice
@@ -179,28 +198,75 @@ class AutoShard:
         with_ = evaluate(in_specs, annotations, graph=real.graph, jaxpr=jaxpr, compiled=False)
         if evaluate(in_specs, [], compiled=False).bytes <= with_.bytes:
           annotations = []
-      cost = evaluate(in_specs, annotations, compiled=self.check_memory)
+      key = _program_key(in_specs, annotations)
+      cost = checked.get(key)
+      if cost is None:       # another budget's plan realized to the same program
+        cost = checked[key] = evaluate(in_specs, annotations, compiled=self.check_memory)
       secs["check"] = secs.get("check", 0.0) + time.perf_counter() - t2
-      measured = cost.compiled_memory
-      if limit is None or measured is None or measured <= limit:
-        break
-      # XLA keeps more than the model counts: the model's budget becomes this
-      # plan's modelled memory scaled by limit / measured, and it is solved again
-      least = measured if least is None else min(least, measured)
-      solved = budget
-      # XLA's memory often stays on a plateau while the model's budget shrinks
-      # by limit / measured: shrink by at least 5%, 10%, 20%, ... per round
-      budget = min(budget, found.memory.peak) * min(limit / measured, 1 - 0.05 * 2 ** rnd)
-      if tight is not None:            # never below a budget known infeasible
-        budget = max(budget, (tight + solved) / 2)
-    else:
-      raise self._infeasible(least)
+      return _Attempt(found, opts, in_specs, annotations, cost)
+
+    checked: dict = {}
+    try:
+      first = attempt(limit)
+    except Infeasible as e:     # no layout fits, even in the model
+      raise self._infeasible(e.minimum + cache["mem"].scalar_args) from None
+    best = first
+    if not first.fits(limit):
+      best = self._search_edge(attempt, first, limit, paths, graph, jaxpr, cache)
+    found, opts, in_specs, annotations, cost = (best.found, best.opts, best.in_specs,
+                                                best.annotations, best.cost)
     t3 = time.perf_counter()
     found = add_runner_ups(found, opts)
     secs["runner_ups"] = time.perf_counter() - t3
     choices = self._choices(found, jaxpr, paths, len(args))
     return Plan(in_specs, annotations, cost, found.bytes, choices, dict(ms),
                 limit, secs, found.size, found.status, evaluate)
+
+  # -- the memory limit ----------------------------------------------------------
+  def _search_edge(self, attempt, first: _Attempt, limit: float, paths, graph, jaxpr,
+                   cache) -> _Attempt:
+    """The plan that fits ``limit`` when the solver's first plan compiled to
+    more (XLA holds buffers the model does not count).
+
+    First the plans at the model's least memory (``PROBES``: a few budgets
+    just above it, whose tied optima realize to different programs): they
+    do not depend on the limit, so a limit that one of them fits is never
+    reported infeasible, whatever a smaller limit found. None fits: no
+    layout fits, and the error says the least compiled memory reached. Then,
+    for fewer bytes, the budget is stepped up from the fitting probe's
+    (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan still fits, keeping
+    the fitting plan that sends least."""
+    least = least_memory(graph, jaxpr, self.mesh_sizes, self.opts, paths, cache)
+    tried, seen, best = [first], {first.key}, None
+    for d in PROBES:
+      try:
+        a = attempt(least * (1 + d))
+      except Infeasible:
+        continue
+      if a.key in seen:
+        continue
+      seen.add(a.key)
+      tried.append(a)
+      if a.fits(limit):
+        best = a
+        break
+    if best is None:
+      raise self._infeasible(min(a.cost.compiled_memory for a in tried))
+    # the fitting plans sit near the least memory (compiled memory rises in
+    # plateaus): step the budget up from there, not down from the top
+    budget, step = best.opts.memory_limit, IMPROVE_STEP
+    for _ in range(IMPROVE_ROUNDS):
+      budget = min(budget * (1 + step), first.found.memory.peak)
+      try:
+        a = attempt(budget)
+      except Infeasible:
+        break
+      if not a.fits(limit):
+        break
+      if a.cost.bytes < best.cost.bytes:
+        best = a
+      step *= 2
+    return best
 
   # -- pieces ------------------------------------------------------------------
   def _evaluator(self, structs):
@@ -289,8 +355,9 @@ def auto_shard(fn: Callable, mesh, *, in_specs=None, memory_limit: float | None 
     tie_layers: variables whose surroundings look alike (the copies of a
       repeated layer) share one choice: each layer is solved once.
     check_memory: compile the partitioned program (on a concrete mesh) and
-      read ``memory_analysis()``; if it exceeds ``memory_limit``, solve again
-      with the model's budget tightened by the measured ratio.
+      read ``memory_analysis()``; if it exceeds ``memory_limit``, try the
+      plans at the model's least memory, then step the budget up from the
+      one that fits (fewer bytes).
 
   Returns:
     A function of the arguments (arrays or ``ShapeDtypeStruct``s) returning a

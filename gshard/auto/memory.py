@@ -11,9 +11,9 @@ scatter, and a program output. The live bytes of those values, swept in program
 order over the top-level program, are a model of what
 ``compiled.memory_analysis()`` counts, not a copy of it (XLA also holds the
 gathered copies of values read by several contractions, and the outputs):
-``auto_shard`` checks each plan against the compiled program and solves again
-with a tighter budget where XLA needs more (``api``); ``tests/test_auto.py``
-bounds the ratio.
+``auto_shard`` checks each plan against the compiled program and, where XLA
+needs more, tries the plans at the model's least memory (``api``);
+``tests/test_auto.py`` bounds the ratio.
 
 :class:`Liveness` gives, for a few points of the program, the set of values
 live there; the solver constrains the memory at those points (the peaks of the

@@ -222,6 +222,18 @@ def search(graph: Graph, jaxpr, mesh_sizes: Mapping[str, int], opts: Options,
   return add_runner_ups(found, opts) if runner_ups else found
 
 
+def least_memory(graph: Graph, jaxpr, mesh_sizes: Mapping[str, int], opts: Options,
+                 paths: list[str], cache: dict) -> float:
+  """The least memory per device (the model's) any layout reaches: below it
+  :func:`search` is infeasible. ``cache`` as for :func:`search`."""
+  try:
+    search(graph, jaxpr, mesh_sizes, dataclasses.replace(opts, memory_limit=0.0), paths,
+           cache=cache, runner_ups=False)
+  except solve.Infeasible as e:
+    return float(e.minimum) + cache["mem"].scalar_args
+  return float(cache["mem"].scalar_args)
+
+
 def add_runner_ups(found: Search, opts: Options) -> Search:
   """``found`` with the runner-up of each argument's value (see :class:`RunnerUp`)."""
   solver, mem, budget = found.solved
