@@ -105,7 +105,7 @@ def test_weights_sharded_fsdp_style_when_the_memory_limit_requires_it(m8):
   check_equal_to_one_device(mlp_step, plan, m8, real(args), n=2048 * 512)
 
 
-def test_a_larger_memory_limit_never_fails_where_a_smaller_one_fits(m8):
+def test_fitting_limits_are_monotone_and_errors_name_the_least_reached(m8):
   """The solver's plan can compile to more than the limit (XLA keeps buffers
   the model does not count): the plans at the model's least memory are tried
   then, and they do not depend on the limit. Over limits from a third of the
