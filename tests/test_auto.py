@@ -105,7 +105,7 @@ def test_weights_sharded_fsdp_style_when_the_memory_limit_requires_it(m8):
   check_equal_to_one_device(mlp_step, plan, m8, real(args), n=2048 * 512)
 
 
-def test_fitting_limits_are_monotone_and_errors_name_the_least_reached(m8):
+def test_fitting_limits_are_monotone_and_errors_name_the_least_reached(m8, monkeypatch):
   """The solver's plan can compile to more than the limit (XLA keeps buffers
   the model does not count): the plans at the model's least memory are tried
   then, and they do not depend on the limit. Over limits from a third of the
@@ -116,6 +116,14 @@ def test_fitting_limits_are_monotone_and_errors_name_the_least_reached(m8):
   plan's memory) are found too."""
   args = mlp_args(2048, 512, 1024)
   top = gshard.auto_shard(mlp_step, m8, runner_up_seconds=0.0)(*args).cost.compiled_memory
+  edge = gshard.auto.api.AutoShard._search_edge
+  found_at_edge = []
+
+  def spy(self, *a, **k):
+    found_at_edge.append(edge(self, *a, **k))
+    return found_at_edge[-1]
+
+  monkeypatch.setattr(gshard.auto.api.AutoShard, "_search_edge", spy)
   fits, least = [], []
   for limit in np.linspace(top / 3, top, 10):
     try:
@@ -130,6 +138,8 @@ def test_fitting_limits_are_monotone_and_errors_name_the_least_reached(m8):
     fits.append(True)
   assert fits == sorted(fits), fits          # no fit, then only fits
   assert 0 < fits.count(True) and 0 < fits.count(False)
+  # some limits fit only through the least-memory plans (the first did not)
+  assert found_at_edge
   # every failing limit was told the same least, and the first fitting limit
   # is above it
   assert len(set(least)) == 1

@@ -44,7 +44,7 @@ from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
 # Under a memory limit, when the first plan compiles to more than the limit:
 PROBES = (0.001, 0.005, 0.02)   # budgets just above the model's least memory, m (1 + d)
 IMPROVE_ROUNDS = 2              # then budgets stepped up from the fitting one by
-IMPROVE_STEP = 0.05             # 5%, 10%, ... while the plan still fits
+IMPROVE_STEP = 0.05             # 5%, then 10% more, ... while the plan still fits
 
 
 @dataclasses.dataclass
@@ -61,14 +61,14 @@ class _Attempt:
   def key(self):
     return _program_key(self.in_specs, self.annotations)
 
+  def fits(self, limit) -> bool:
+    m = self.cost.compiled_memory
+    return limit is None or m is None or m <= limit
+
 
 def _program_key(in_specs, annotations) -> tuple:
   """What gshard partitions: two budgets' plans may realize to the same one."""
   return str(in_specs), tuple(annotations)
-
-  def fits(self, limit) -> bool:
-    m = self.cost.compiled_memory
-    return limit is None or m is None or m <= limit
 
 
 def _check_options(mesh_sizes, memory_limit, bandwidth, latency, min_bytes, time_limit):
@@ -232,7 +232,8 @@ class AutoShard:
     just above it, whose tied optima realize to different programs): they
     do not depend on the limit, so a limit that one of them fits is never
     reported infeasible, whatever a smaller limit found. None fits: no
-    layout fits, and the error says the least compiled memory reached. Then,
+    layout fits, and the error says the least compiled memory they reached
+    (raised to that, the limit fits one). Then,
     for fewer bytes, the budget is stepped up from the fitting probe's
     (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan still fits, keeping
     the fitting plan that sends least."""
@@ -251,7 +252,9 @@ class AutoShard:
         best = a
         break
     if best is None:
-      raise self._infeasible(min(a.cost.compiled_memory for a in tried))
+      # the probes' least: a limit that large fits one of them (the first
+      # plan's memory depends on the limit, so it promises nothing)
+      raise self._infeasible(min(a.cost.compiled_memory for a in tried[1:] or tried))
     # the fitting plans sit near the least memory (compiled memory rises in
     # plateaus): step the budget up from there, not down from the top
     budget, step = best.opts.memory_limit, IMPROVE_STEP

@@ -186,28 +186,29 @@ def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
   listed beside it with what it would hold."""
   options = plan.options
   if window is not None:
-    # the collective the ring replaces: a reduce-scatter holds the whole
-    # partial result first (a gather's growth is its option's memory already)
-    options = tuple(dataclasses.replace(
-        o, chosen=False, memory=window.gathered if window.kind == "scatter" else o.memory)
-        if o.chosen else o for o in options) + (
-        _ring_option(window, next((o.bytes for o in options if o.chosen), 0)),)
+    # the collective the ring replaces holds, at a time, the gathered operand
+    # or the whole partial result: what windowed_einsum.choose weighed the
+    # ring's own holding against
+    chosen = next((o for o in options if o.chosen), None)
+    options = tuple(dataclasses.replace(o, chosen=False, memory=window.gathered)
+                    if o.chosen else o for o in options) + (_ring_option(window, chosen),)
   if len(options) > 1:
     ctx.note_choice(eqn, options, ins, plan.results if window is None else window.results)
 
 
-def _ring_option(window: windowed_einsum.Window, sent: int) -> Option:
-  """The windowed einsum ``window`` as an option: what the collective it
-  replaces sends, as ``n-1`` collective-permutes, holding ``window.held``."""
-  axes = ",".join(window.axes)
+def _ring_option(window: windowed_einsum.Window, chosen: Option | None) -> Option:
+  """The windowed einsum ``window`` as an option: the plan's option
+  ``chosen`` with its gather (or reduce-scatter) run as ``n-1``
+  collective-permutes, the same bytes, holding ``window.held``."""
   if window.kind == "gather":
-    label = "(c) windowed einsum: ring of blocks"
-    role = f"operand {window.operand}"
+    label, role = "(c) windowed einsum: ring of blocks", f"operand {window.operand}"
   else:
-    label = "(b) windowed einsum: ring of partial sums"
-    role = "result 0"
-  return Option(label, sent, ((role, f"collective_permute[{axes}] x{window.n - 1}"),),
-                True, window.held)
+    label, role = "(b) windowed einsum: ring of partial sums", "result 0"
+  ring = f"collective_permute[{','.join(window.axes)}] x{window.n - 1}"
+  moves = tuple((r, ring if r == role else m) for r, m in (chosen.moves if chosen else ()))
+  if role not in (r for r, _ in moves):
+    moves += ((role, ring),)
+  return Option(label, chosen.bytes if chosen else 0, moves, True, window.held)
 
 
 def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int) -> Option:

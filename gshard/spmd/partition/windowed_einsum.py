@@ -95,7 +95,7 @@ class Window:
   result_dim: int | None
   results: tuple[TensorSharding, ...]
   gathered: int
-  held: int = 0
+  held: int
 
 
 def _itemsize(dtype) -> int:
