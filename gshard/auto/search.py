@@ -39,7 +39,7 @@ class Options:
   latency: float = 1024.0
   min_bytes: int = 4096
   time_limit: float = 60.0
-  runner_up_seconds: float = 30.0
+  runner_up_seconds: float = 10.0
   tie_layers: bool = True
 
 
