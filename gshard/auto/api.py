@@ -208,10 +208,14 @@ class AutoShard:
     checked: dict = {}
     try:
       first = attempt(limit)
-    except Infeasible as e:     # no layout fits, even in the model
-      raise self._infeasible(e.minimum + cache["mem"].scalar_args) from None
+    except Infeasible as e:     # no layout fits in the model
+      if not self._compiles():
+        raise self._infeasible(e.minimum + cache["mem"].scalar_args) from None
+      # what does fit is XLA's to say: the least-memory plans, compiled,
+      # fit or give the least memory actually reached
+      first = None
     best = first
-    if not first.fits(limit):
+    if first is None or not first.fits(limit):
       best = self._search_edge(attempt, first, limit, paths, graph, jaxpr, cache)
     found, opts, in_specs, annotations, cost = (best.found, best.opts, best.in_specs,
                                                 best.annotations, best.cost)
@@ -223,42 +227,55 @@ class AutoShard:
                 limit, secs, found.size, found.status, evaluate)
 
   # -- the memory limit ----------------------------------------------------------
-  def _search_edge(self, attempt, first: _Attempt, limit: float, paths, graph, jaxpr,
-                   cache) -> _Attempt:
+  def _compiles(self) -> bool:
+    """Whether plans are compiled and measured (a concrete mesh, ``check_memory``)."""
+    return self.check_memory and not isinstance(self.mesh, (AbstractMesh, Mapping))
+
+  def _search_edge(self, attempt, first: _Attempt | None, limit: float, paths, graph,
+                   jaxpr, cache) -> _Attempt:
     """The plan that fits ``limit`` when the solver's first plan compiled to
-    more (XLA holds buffers the model does not count).
+    more (XLA holds buffers the model does not count), or when the model
+    found none (``first`` None: its estimate may be above what XLA needs, and
+    the error should name the memory XLA reaches, not the model's).
 
     First the plans at the model's least memory (``PROBES``: a few budgets
     just above it, whose tied optima realize to different programs): they
     do not depend on the limit, so a limit that one of them fits is never
     reported infeasible, whatever a smaller limit found. None fits: no
     layout fits, and the error says the least compiled memory they reached
-    (raised to that, the limit fits one). Then,
-    for fewer bytes, the budget is stepped up from the fitting probe's
-    (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan still fits, keeping
-    the fitting plan that sends least."""
+    (raised to that, the limit fits one). Then, for fewer bytes, the budget
+    is stepped up from the fitting probe's (``IMPROVE_ROUNDS``,
+    ``IMPROVE_STEP``) while the plan still fits, keeping the fitting plan
+    that sends least."""
     least = least_memory(graph, jaxpr, self.mesh_sizes, self.opts, paths, cache)
-    tried, seen, best = [first], {first.key}, None
+    probes, best = {}, None           # program -> attempt (one may be the first's)
     for d in PROBES:
       try:
         a = attempt(least * (1 + d))
       except Infeasible:
+        # the solution peaked where no row looked yet (a cut, kept): the
+        # least over the rows is higher now
+        least = least_memory(graph, jaxpr, self.mesh_sizes, self.opts, paths, cache)
+        try:
+          a = attempt(least * (1 + d))
+        except Infeasible:
+          continue
+      if a.key in probes:
         continue
-      if a.key in seen:
-        continue
-      seen.add(a.key)
-      tried.append(a)
+      probes[a.key] = a
       if a.fits(limit):
         best = a
         break
     if best is None:
       # the probes' least: a limit that large fits one of them (the first
       # plan's memory depends on the limit, so it promises nothing)
-      raise self._infeasible(min(a.cost.compiled_memory for a in tried[1:] or tried))
+      if not probes:              # none solved: the model's least is all there is
+        raise self._infeasible(least)
+      raise self._infeasible(min(a.cost.compiled_memory for a in probes.values()))
     # the fitting plans sit near the least memory (compiled memory rises in
     # plateaus): step the budget up from there, not down from the top
     budget, step = best.opts.memory_limit, IMPROVE_STEP
-    for _ in range(IMPROVE_ROUNDS):
+    for _ in range(IMPROVE_ROUNDS if first is not None else 0):
       budget = min(budget * (1 + step), first.found.memory.peak)
       try:
         a = attempt(budget)
@@ -285,7 +302,7 @@ class AutoShard:
         graph, jaxpr = prog.result.graph, prog.result.jaxpr.jaxpr
       used = ProgramMemory(graph, jaxpr, self.mesh_sizes).of(R.layout_in(graph))
       measured = None
-      if compiled and not isinstance(self.mesh, (AbstractMesh, Mapping)):
+      if compiled and self._compiles():
         m = partition(fn, self.mesh, in_specs=in_specs).lower(*structs).compile()
         m = m.memory_analysis()
         measured = float(m.temp_size_in_bytes + m.argument_size_in_bytes

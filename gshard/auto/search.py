@@ -199,7 +199,9 @@ def search(graph: Graph, jaxpr, mesh_sizes: Mapping[str, int], opts: Options,
   secs["build"] = time.perf_counter() - t0
   mesh_order = {a: i for i, a in enumerate(mesh_sizes)}
   limit = opts.memory_limit
-  sets = mem.peak_sets() if limit is not None else []
+  # the memory rows: the replicated program's peaks, and every point a
+  # solution has peaked at since (kept in ``cache``: a cut holds for any budget)
+  sets = cache.setdefault("sets", mem.peak_sets()) if limit is not None else []
   secs["solve"] = 0.0
   for _ in range(MAX_ROUNDS):
     t1 = time.perf_counter()
