@@ -243,10 +243,14 @@ class AutoShard:
     do not depend on the limit, so a limit that one of them fits is never
     reported infeasible, whatever a smaller limit found. None fits: no
     layout fits, and the error says the least compiled memory they reached
-    (raised to that, the limit fits one). Then, for fewer bytes, the budget
-    is stepped up from the fitting probe's (``IMPROVE_ROUNDS``,
-    ``IMPROVE_STEP``) while the plan still fits, keeping the fitting plan
-    that sends least."""
+    (raised to that, the limit fits one; where no probe solves, the model's
+    least). Then, for fewer bytes, the budget is stepped up from the
+    fitting probe's (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan
+    still fits, keeping the fitting plan that sends least; not when the
+    model found no plan at the limit (the probe is returned)."""
+    # the first solve's cuts depend on the limit: the probes start from the
+    # replicated program's peaks alone, so they are the same for every limit
+    cache["sets"] = cache["mem"].peak_sets()
     least = least_memory(graph, jaxpr, self.mesh_sizes, self.opts, paths, cache)
     probes, best = {}, None           # program -> attempt (one may be the first's)
     for d in PROBES:

@@ -201,7 +201,9 @@ def search(graph: Graph, jaxpr, mesh_sizes: Mapping[str, int], opts: Options,
   limit = opts.memory_limit
   # the memory rows: the replicated program's peaks, and every point a
   # solution has peaked at since (kept in ``cache``: a cut holds for any budget)
-  sets = cache.setdefault("sets", mem.peak_sets()) if limit is not None else []
+  if limit is not None and "sets" not in cache:
+    cache["sets"] = mem.peak_sets()
+  sets = cache["sets"] if limit is not None else []
   secs["solve"] = 0.0
   for _ in range(MAX_ROUNDS):
     t1 = time.perf_counter()
