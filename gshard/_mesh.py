@@ -36,3 +36,17 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices=None) -> Me
         f"jax.sharding.AbstractMesh({shape}, {names}) to lower without devices.")
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
                        devices=devices)
+
+
+def with_auto_axes(mesh):
+  """``mesh`` (a ``Mesh`` or ``AbstractMesh``) with every axis ``Auto``.
+
+  gshard chooses every layout itself; a mesh from ``jax.make_mesh`` (Explicit
+  axes by default) would have jax type each value's sharding as well, and jax
+  refuses some of gshard's per-device code under those types (slicing off the
+  padding of an uneven output). Same devices, same names, same sizes.
+  """
+  types = getattr(mesh, "axis_types", None)
+  if not types or all(t == AxisType.Auto for t in types):
+    return mesh
+  return mesh.update(axis_types=(AxisType.Auto,) * len(types))

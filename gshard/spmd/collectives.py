@@ -69,11 +69,22 @@ def linear_axis_index(axes: Axes, sizes: MeshSizes):
   return index
 
 
+def local_slice(x, start, size: int, axis: int):
+  """``lax.dynamic_slice_in_dim``, kept clear of an XLA miscompile (jaxlib
+  0.10.2): a length-1 dynamic slice of a rank-1 integer array computed as
+  ``dynamic_slice(a) * scalar`` is folded into a slice of ``a``, dropping the
+  multiply (``x * jnp.sum(x)`` split over ``('a', 'b')`` returned ``x``). A
+  barrier on the operand stops the fold; such operands are a few elements."""
+  if x.ndim == 1 and size == 1 and jnp.issubdtype(x.dtype, jnp.integer):
+    x = lax.optimization_barrier(x)
+  return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
 def _apply_slice(x, step, global_shape, sizes, order):
   n = shard_count(step.axes, sizes)
   size = x.shape[step.dim] // n
   start = linear_axis_index(step.axes, sizes) * size
-  return lax.dynamic_slice_in_dim(x, start, size, axis=step.dim)
+  return local_slice(x, start, size, step.dim)
 
 
 def _apply_pad(x, step, global_shape, sizes, order):

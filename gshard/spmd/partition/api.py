@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import AbstractMesh, NamedSharding
 
+from gshard._mesh import with_auto_axes
 from gshard.spmd import _gc
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
@@ -246,7 +247,7 @@ class Partitioned:
                       f"({type(strict).__name__}). strict=True raises where a primitive "
                       "without a partition rule would gather its operands.")
     self.fn = fn
-    self.mesh = mesh
+    self.mesh = mesh = with_auto_axes(mesh)
     self.mesh_sizes = mesh_sizes_of(mesh)
     self.in_specs = in_specs
     self.out_specs = out_specs
@@ -475,7 +476,8 @@ def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = 
 
   Args:
     fn: a function of arrays (pytrees allowed), annotated with gshard.split etc.
-    mesh: a jax ``Mesh`` (``gshard.make_mesh``) or ``AbstractMesh`` (lowering only).
+    mesh: a jax ``Mesh`` (``gshard.make_mesh``, or ``jax.make_mesh``: Explicit axes
+      are taken as Auto) or ``AbstractMesh`` (lowering only).
     in_specs: a pytree prefix of the positional arguments with PartitionSpecs at
       the leaves; ``None`` (whole or per leaf) lets propagation decide.
     out_specs: the same for the outputs; ``None`` takes the inferred shardings,
