@@ -499,8 +499,9 @@ def check(prog: Program, gspmd: bool = True, do_gshard: bool = True,
   def op_by_op():
     """The one-device run and its float64 oracle, primitive by primitive."""
     if not eager:
-      with jax.disable_jit():
-        eager.append((jax.block_until_ready(fn(*args)), oracle(prog)))
+      with jax.disable_jit():   # jax arrays: numpy ones have no ``.at`` outside a trace
+        eager.append((jax.block_until_ready(fn(*jax.tree.map(jnp.asarray, args))),
+                      oracle(prog)))
     w, o = eager[0]
     return w, lambda: o
 

@@ -202,22 +202,34 @@ def solve(rule: FactorRule, operands: Sequence[Held | None],
   Pure in the tensors' shardings, pins, shapes and dtypes: memoised on them,
   so the repeated layers of a model are solved once.
   """
+  return solve_tied(rule, operands, results, mesh, defer_ties)[0]
+
+
+def solve_tied(rule: FactorRule, operands: Sequence[Held | None],
+               results: Sequence[Held | None], mesh,
+               defer_ties: bool = False) -> tuple[dict[str, Axes], bool]:
+  """:func:`solve`, and whether a tie was left to other constraints (without
+  one, ``defer_ties`` changed nothing: the answer is the same either way)."""
   try:
     key = (rule, tuple(map(view, operands)), tuple(map(view, results)),
            tuple(mesh.items()), defer_ties)
     hash(key)
   except TypeError:        # a dtype jax cannot hash: solve it anew
     return _solve(rule, operands, results, mesh, defer_ties)
-  return dict(_solve_memo(*key))
+  items, tied = _solve_memo(*key)
+  return dict(items), tied
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _solve_memo(rule, operands, results, mesh_items, defer_ties) -> tuple:
-  return tuple(_solve(rule, operands, results, dict(mesh_items), defer_ties).items())
+  done, tied = _solve(rule, operands, results, dict(mesh_items), defer_ties)
+  return tuple(done.items()), tied
 
 
 def _solve(rule: FactorRule, operands: Sequence[Held | None],
-           results: Sequence[Held | None], mesh, defer_ties: bool = False) -> dict[str, Axes]:
+           results: Sequence[Held | None], mesh,
+           defer_ties: bool = False) -> tuple[dict[str, Axes], bool]:
+  tied = False
   hold, pairs = holders(rule, operands, results, mesh)
   choice: dict[str, Axes] = {}
   strength = {}
@@ -254,13 +266,14 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
           for b in done[g][len(cut):]:      # a tie: neither factor takes the axis
             owner[b] = None
           done[g] = cut
+          tied = True
           break
         else:
           break
       keep.append(a)
       owner[a] = f
     done[f] = tuple(keep)
-  return done
+  return done, tied
 
 
 def _assignment_bytes(choice, pairs, rule: FactorRule, mesh) -> float:

@@ -82,18 +82,19 @@ def refine(t: Tensor, new_dims: Sequence[Axes], mesh) -> bool:
   return True
 
 
-def step(bound: Bound, mesh, defer_ties: bool = False) -> bool:
-  """One constraint step: solve its factors, refine its tensors. Whether any changed."""
+def step(bound: Bound, mesh, defer_ties: bool = False) -> tuple[bool, bool]:
+  """One constraint step: solve its factors, refine its tensors. Whether any
+  changed, and whether the solve left a tie to other constraints."""
   rule = bound.rule
-  choice = factors.solve(rule, bound.operands, bound.results, mesh, defer_ties)
+  choice, tied = factors.solve_tied(rule, bound.operands, bound.results, mesh, defer_ties)
   if not choice:
-    return False                 # every factor unsplit: nothing to refine
+    return False, tied           # every factor unsplit: nothing to refine
   changed = False
   for t, dims in zip(bound.operands + bound.results, rule.operands + rule.results):
     if t is None or len(t.fixed) == len(t.shape):
       continue
     changed |= refine(t, factors.unproject(dims, choice, rule.size_of, mesh), mesh)
-  return changed
+  return changed, tied
 
 
 # -- conflicts, after the fixed point -------------------------------------------
@@ -154,8 +155,11 @@ def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
   constraint want with equal support goes to neither (other constraints,
   later in the program, decide it: a weight gradient takes the layout its
   optimizer update needs); then every tie is settled (the earlier factor).
-  Within a phase the first sweep visits every constraint; later sweeps
-  (alternating direction) only those touching a tensor that changed.
+  The first sweep visits every constraint; later sweeps (alternating
+  direction) only those touching a tensor that changed. The second phase
+  starts from the constraints whose last solve left a tie, or changed their
+  own tensors after it: any other would solve as it did (without a tie,
+  settling ties changes nothing) to the same tensors.
   """
   mesh = graph.mesh_sizes
   touching: dict[int, list[int]] = {}
@@ -164,9 +168,10 @@ def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
       if t is not None:
         touching.setdefault(id(t), []).append(i)
   sweeps = 0
+  dirty = set(range(len(graph.bounds)))
   for defer in (True, False):
-    dirty = set(range(len(graph.bounds)))
     first = sweeps
+    unsettled: set[int] = set()      # last solve tied, or moved its own tensors
     while dirty:
       if sweeps >= MAX_SWEEPS:
         raise RuntimeError(f"propagation did not converge in {MAX_SWEEPS} sweeps")
@@ -175,11 +180,17 @@ def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
       for i in order:
         b = graph.bounds[i]
         before = [(t, t.sharding) for t in b.operands + b.results if t is not None]
-        if step(b, mesh, defer):
+        changed, tied = step(b, mesh, defer)
+        if changed or tied:
+          unsettled.add(i)
+        else:
+          unsettled.discard(i)
+        if changed:
           for t, old in before:
             if t.sharding != old:
               dirty.update(j for j in touching[id(t)] if j != i)
       sweeps += 1
+    dirty = unsettled
   for t, axes in mark_partials(graph).items():
     t.sharding = t.sharding.with_partial(axes)
   for t, sharding in sum_before_scatter(graph).items():
