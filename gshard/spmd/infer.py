@@ -9,6 +9,7 @@ program's inputs (and outputs), and propagates: a :class:`ShardingResult`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from gshard.annotate import mesh_context
 from gshard.spmd.printing import format_jaxpr
 from gshard.spmd.graph import Graph, source_of
-from gshard.spmd.propagate import Conflict, propagate
+from gshard.spmd.propagate import Conflict, conflicts, propagate
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str,
                                   open_dims_of_spec)
 
@@ -105,11 +106,15 @@ class ShardingResult:
   jaxpr: Any
   mesh_sizes: dict[str, int]
   graph: Graph
-  conflicts: list[Conflict]
   unsupported: list[tuple[str, str]]
   sweeps: int
   out_shape: Any = None
   timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @functools.cached_property
+  def conflicts(self) -> list[Conflict]:
+    """Where tensors disagreed, what was chosen and why (read on first use)."""
+    return conflicts(self.graph)
 
   def sharding(self, var, scope: tuple = ()) -> TensorSharding:
     """The sharding of ``var`` (in the nested scope ``scope``; top level by default)."""
@@ -233,9 +238,9 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
         where = f"out_specs{path}"
         sharding, open_dims = spec_to_pin(spec, leaf.shape, mesh_sizes, where)
         graph.pin(t, sharding, open_dims, where)
-  sweeps, conflicts = propagate(graph)
+  sweeps = propagate(graph)
   timings["propagate"] = time.perf_counter() - t1
-  return ShardingResult(closed, dict(mesh_sizes), graph, conflicts, graph.unsupported,
+  return ShardingResult(closed, dict(mesh_sizes), graph, graph.unsupported,
                         sweeps, out_shape, timings)
 
 

@@ -99,7 +99,8 @@ def step(bound: Bound, mesh, defer_ties: bool = False) -> tuple[bool, bool]:
 
 # -- conflicts, after the fixed point -------------------------------------------
 
-def _conflicts(graph: Graph) -> list[Conflict]:
+def conflicts(graph: Graph) -> list[Conflict]:
+  """Where a propagated graph's tensors disagreed, what was chosen and why."""
   out = []
   for b in graph.bounds:
     mesh = graph.mesh_sizes
@@ -148,8 +149,9 @@ def _role(bound: Bound, t: Tensor) -> str:
 
 # -- the driver --------------------------------------------------------------
 
-def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
-  """Sweep forward and backward to a fixed point; returns (sweeps, conflicts).
+def propagate(graph: Graph) -> int:
+  """Sweep forward and backward to a fixed point; returns the sweeps made
+  (:func:`conflicts` reads the disagreements from the graph after).
 
   Two phases, each to its fixed point: first, a mesh axis two factors of one
   constraint want with equal support goes to neither (other constraints,
@@ -195,4 +197,4 @@ def propagate(graph: Graph) -> tuple[int, list[Conflict]]:
     t.sharding = t.sharding.with_partial(axes)
   for t, sharding in sum_before_scatter(graph).items():
     t.sharding = sharding
-  return sweeps, _conflicts(graph)
+  return sweeps
