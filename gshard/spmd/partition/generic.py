@@ -138,10 +138,22 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
     candidates.append(factors.solve(rule, operands, [None] * len(results), mesh))
     if contraction:   # also in the result's layout, operands moved first
       candidates.append(factors.solve(rule, [None] * len(operands), results, mesh))
-  plans = [_plan_for(mesh, ins, rule, c, blocked, allow_other_reduction) for c in candidates]
+  if not contraction and all(c == candidates[0] for c in candidates):
+    candidates = candidates[:1]           # one candidate: no costs to weigh
+  made: dict[tuple, LocalPlan] = {}     # a repeated candidate is planned and costed once
+  plans = []
+  for c in candidates:
+    key = tuple(sorted(c.items()))
+    if key not in made:
+      made[key] = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction)
+    plans.append(made[key])
   if len(plans) == 1:
     return plans[0]
-  costs = [_plan_cost(mesh, ins, outs, p) for p in plans]
+  cost_of: dict[int, int] = {}
+  for p in plans:
+    if id(p) not in cost_of:
+      cost_of[id(p)] = _plan_cost(mesh, ins, outs, p)
+  costs = [cost_of[id(p)] for p in plans]
   # Option (c) runs only where it holds no more than the operands as they
   # arrive (an all-to-all, not a gather): a gathered weight or activation is
   # memory an expert's layout does not spend (GShard's caveat on (c)).
