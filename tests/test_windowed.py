@@ -84,6 +84,32 @@ def test_halo_plan_examples():
   assert halo_plan(8, 16, 3, 2, 8) is None
 
 
+@given(n=st.integers(1, 8), local=st.integers(1, 6), lo=st.integers(-6, 6),
+       advance=st.integers(0, 8), width=st.integers(1, 10))
+def test_halo_plan_reads_each_devices_window(n, local, lo, advance, width):
+  """Simulated with numpy: every device's extended block (fill, rows from its
+  neighbours, its own rows, fill) holds at ``offset + d * slope`` exactly the
+  rows ``d * advance - lo ...`` of the global dim, fill outside it; n == 1 too
+  (an axis of size 1 "splits" a dim into one block)."""
+  halo = halo_plan(n, n * local, lo, advance, width)
+  if halo is None:
+    return
+  assert min(halo.left, halo.right, halo.pad_left, halo.pad_right) >= 0, halo
+  rows = np.arange(n * local)
+  blocks = rows.reshape(n, local)
+  fill = -1
+  for d in range(n):
+    left = blocks[d - 1][local - halo.left:] if d > 0 else np.full(halo.left, fill)
+    right = blocks[d + 1][:halo.right] if d < n - 1 else np.full(halo.right, fill)
+    ext = np.concatenate([np.full(halo.pad_left, fill), left, blocks[d], right,
+                          np.full(halo.pad_right, fill)])
+    start = halo.offset + d * halo.slope
+    assert 0 <= start and start + width <= len(ext), (d, halo)
+    want = [r if 0 <= r < n * local else fill
+            for r in range(d * advance - lo, d * advance - lo + width)]
+    np.testing.assert_array_equal(ext[start:start + width], want, err_msg=f"device {d}")
+
+
 def _rule(f, *args):
   eqn = jax.make_jaxpr(f)(*args).eqns[-1]
   return str(sharding_rule(eqn.primitive.name)(
@@ -458,6 +484,17 @@ def test_shift_ops_along_split_dim(case):
   f = lambda x: gshard.shard(fn(x), spec)
   lowered = check(f, (rand(4, 32),), mesh(shape, names), (spec,), what=name)
   assert kinds(lowered) == want, lowered.explain()
+
+
+@pytest.mark.parametrize("case", SHIFT_CASES, ids=[c[0] for c in SHIFT_CASES])
+def test_shift_ops_along_a_size_one_axis(case):
+  """The same ops with the dim "split" over an axis of size 1: whole on every
+  device, no halo to exchange (a slice once built a fill of -2 rows)."""
+  name, fn, _, _, _ = case
+  spec = P(None, "one")
+  f = lambda x: gshard.shard(fn(x), spec)
+  lowered = check(f, (rand(4, 32),), mesh((1, 8), ("one", "x")), (spec,), what=name)
+  assert "ppermute" not in kinds(lowered), lowered.explain()
 
 
 def test_rev_sends_each_block_once():

@@ -69,7 +69,7 @@ def halo_plan(n: int, length: int, lo: int, advance: int, width: int) -> Halo | 
   neighbour's block.
 
   Args:
-    n: shards of the dim (``n >= 2``); ``length % n == 0``.
+    n: shards of the dim; ``length % n == 0``.
     length: operand rows (after any dilation).
     lo: low padding (negative: rows cut off).
     advance: rows between the first rows read by devices ``d`` and ``d+1``.
@@ -89,8 +89,10 @@ def halo_plan(n: int, length: int, lo: int, advance: int, width: int) -> Halo | 
     return None
   ext_left = max(0, need_left(0), need_left(n - 1))
   ext_right = max(0, need_right(0), need_right(n - 1))
-  left = max(0, need_left(1), need_left(n - 1))          # devices with a left neighbour
-  right = max(0, need_right(0), need_right(n - 2))       # devices with a right neighbour
+  # rows from neighbours, over the devices that have one (none when n == 1:
+  # a dim "split" over size-1 axes is whole on every device)
+  left = max(0, need_left(1), need_left(n - 1)) if n > 1 else 0
+  right = max(0, need_right(0), need_right(n - 2)) if n > 1 else 0
   if left > local or right > local:
     return None
   return Halo(left, right, ext_left - left, ext_right - right, ext_left - lo,

@@ -165,6 +165,8 @@ def rev_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   x = v.x
   for d, (axes, _) in kept.items():
     n = ctx.num_shards(axes)
+    if n == 1:           # axes of size 1: the block is the whole dim
+      continue
     x = permute(ctx, x, axes, lambda i: n - 1 - i)
     ctx.record("ppermute", axes, int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize,
                eqn, f"operand 0 blocks reversed (dim {d})", v.sharding, out_s, v.shape,
