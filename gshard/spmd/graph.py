@@ -80,6 +80,18 @@ def _jaxprs_in(v, path):
         yield from _jaxprs_in(x, path + (i,))
 
 
+def _lazy_source(eqn, outer):
+  """``source_of(eqn)``, else the enclosing equation's (``outer()``), found on
+  first call: a user frame is looked up only for what is reported."""
+  found = []
+
+  def src() -> str:
+    if not found:
+      found.append(source_of(eqn) or outer())
+    return found[0]
+  return src
+
+
 class Graph:
   """Every tensor of a jaxpr (nested ones included) and every bound constraint."""
 
@@ -105,7 +117,7 @@ class Graph:
       self.tensors[key] = t
     return t
 
-  def _walk(self, jaxpr, scope: Scope, outer_source: str = "") -> None:
+  def _walk(self, jaxpr, scope: Scope, outer_source=lambda: "") -> None:
     # Equations jax's own code emits (inside jnp's nested jits) have no user
     # frame: they are reported at the user's call of the enclosing equation.
     for v in list(jaxpr.constvars) + list(jaxpr.invars):
@@ -113,11 +125,11 @@ class Graph:
     for idx, eqn in enumerate(jaxpr.eqns):
       subs = {path: j for path, j in sub_jaxprs(eqn.params)}
       rule_fn = registry.sharding_rule(eqn.primitive.name)
-      src = source_of(eqn) or outer_source
+      src = _lazy_source(eqn, outer_source)     # read only for reports and pins
       for v in eqn.outvars:
         self.tensor(scope, v)
       if rule_fn is None:
-        self.unsupported.append((eqn.primitive.name, src))
+        self.unsupported.append((eqn.primitive.name, src()))
         for path, j in subs.items():
           self._walk(j, scope + ((idx, path),), src)
         continue
@@ -126,7 +138,7 @@ class Graph:
       try:
         op_rule = as_op_rule(registry.rule_of(eqn), len(in_avals), len(out_avals))
       except NotImplementedError:   # a case the rule does not cover: no constraint
-        self.unsupported.append((eqn.primitive.name, src))
+        self.unsupported.append((eqn.primitive.name, src()))
         for path, j in subs.items():
           self._walk(j, scope + ((idx, path),), src)
         continue
@@ -154,7 +166,7 @@ class Graph:
       self.bounds += [bind(c) for c in op_rule.constraints if reads_inner_out(c)]
       for pin in op_rule.pins:
         t = resolve(pin.ref)
-        what = f"{pin.what} at {src}"
+        what = f"{pin.what} at {src()}"
         if pin.mesh is not None:
           self.check_mesh(dict(pin.mesh), what)
         if t is not None and not (pin.soft and t.fixed):   # a DropVar needs no sharding

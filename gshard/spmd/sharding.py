@@ -10,6 +10,7 @@ functions below, each with a worked example.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -20,6 +21,11 @@ Axes = tuple[str, ...]
 MeshSizes = Mapping[str, int]
 
 _UNCONSTRAINED = P.UNCONSTRAINED
+
+
+@functools.lru_cache(maxsize=64)
+def _replicated(cls, rank: int):
+  return cls(((),) * rank)      # frozen: one value per rank is shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +68,7 @@ class TensorSharding:
   @classmethod
   def replicated(cls, rank: int) -> TensorSharding:
     """``replicated(2)`` is ``TensorSharding(((), ()))``."""
-    return cls(((),) * rank)
+    return _replicated(cls, rank)
 
   @classmethod
   def from_spec(cls, spec: P | None, rank: int) -> TensorSharding:
