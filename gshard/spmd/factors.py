@@ -175,17 +175,41 @@ def choose(f: str, hs: list[Holder], rule: FactorRule, mesh) -> Axes | None:
 
 @dataclasses.dataclass(frozen=True)
 class _View:
-  """A tensor as the solver reads it: a hashable value (the memo's key)."""
+  """A tensor as the solver reads it: a hashable value (the memo's key), its
+  hash computed once."""
 
   sharding: TensorSharding
   fixed: frozenset[int]
   shape: tuple[int, ...]
   dtype: Any
 
+  def __post_init__(self):
+    try:
+      h = hash((self.sharding, self.fixed, self.shape, self.dtype))
+    except TypeError:        # a dtype jax cannot hash: the memo is skipped
+      h = None
+    object.__setattr__(self, "_hash", h)
+
+  def __hash__(self) -> int:
+    if self._hash is None:
+      raise TypeError(f"unhashable dtype {self.dtype!r}")
+    return self._hash
+
 
 def view(t: Held | None):
-  """A tensor's hashable view (None stays None): what :func:`solve` reads of it."""
-  return None if t is None else _View(t.sharding, t.fixed, tuple(t.shape), t.dtype)
+  """A tensor's hashable view (None stays None): what :func:`solve` reads of it.
+  Kept on the tensor until its sharding or pins change."""
+  if t is None or isinstance(t, _View):
+    return t
+  v = getattr(t, "_solver_view", None)
+  if v is not None and v.sharding is t.sharding and v.fixed is t.fixed:
+    return v
+  v = _View(t.sharding, t.fixed, tuple(t.shape), t.dtype)
+  try:
+    t._solver_view = v
+  except AttributeError:     # a tensor type that takes no new attributes
+    pass
+  return v
 
 
 def solve(rule: FactorRule, operands: Sequence[Held | None],
