@@ -11,8 +11,8 @@ from jax.sharding import AxisType, Mesh
 def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices=None) -> Mesh:
   """A mesh of ``shape`` named ``names`` whose axes are all ``Auto``.
 
-  ``jax.make_mesh`` defaults to Explicit axes, which make ``shard_map`` refuse
-  unsharded inputs; gshard wants Auto axes.
+  ``jax.make_mesh`` defaults to Explicit axes; ``gshard.partition`` takes such
+  a mesh too and uses its axes as Auto (``gshard.spmd.sharding.with_auto_axes``).
 
   Example::
 
@@ -37,16 +37,3 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices=None) -> Me
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
                        devices=devices)
 
-
-def with_auto_axes(mesh):
-  """``mesh`` (a ``Mesh`` or ``AbstractMesh``) with every axis ``Auto``.
-
-  gshard chooses every layout itself; a mesh from ``jax.make_mesh`` (Explicit
-  axes by default) would have jax type each value's sharding as well, and jax
-  refuses some of gshard's per-device code under those types (slicing off the
-  padding of an uneven output). Same devices, same names, same sizes.
-  """
-  types = getattr(mesh, "axis_types", None)
-  if not types or all(t == AxisType.Auto for t in types):
-    return mesh
-  return mesh.update(axis_types=(AxisType.Auto,) * len(types))

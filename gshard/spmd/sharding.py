@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 Axes = tuple[str, ...]
@@ -299,3 +300,17 @@ def mesh_sizes_of(mesh) -> dict[str, int]:
   if isinstance(mesh, Mapping):
     return dict(mesh)
   return dict(mesh.shape)
+
+
+def with_auto_axes(mesh):
+  """``mesh`` (a ``Mesh`` or ``AbstractMesh``) with every axis ``Auto``.
+
+  gshard chooses every layout itself; a mesh from ``jax.make_mesh`` (Explicit
+  axes by default) would have jax type each value's sharding as well, and jax
+  refuses some of gshard's per-device code under those types (slicing off the
+  padding of an uneven output). Same devices, same names, same sizes.
+  """
+  types = getattr(mesh, "axis_types", None)
+  if not types or all(t == AxisType.Auto for t in types):
+    return mesh
+  return mesh.update(axis_types=(AxisType.Auto,) * len(types))

@@ -29,14 +29,14 @@ import numpy as np
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import AbstractMesh, NamedSharding
 
-from gshard._mesh import with_auto_axes
 from gshard.spmd import _gc
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
 from gshard.spmd.partition.padded import (PaddedArray, is_padded, logical_struct, pad_to)
-from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str, short_dtype
+from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str, short_dtype,
+                                   with_auto_axes)
 
 
 @dataclasses.dataclass
