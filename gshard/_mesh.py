@@ -36,4 +36,3 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices=None) -> Me
         f"jax.sharding.AbstractMesh({shape}, {names}) to lower without devices.")
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
                        devices=devices)
-
