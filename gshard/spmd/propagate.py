@@ -22,6 +22,7 @@ end. Then ``spmd/partials.py`` marks the pending partial sums, and conflicts
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 
 from gshard.spmd import factors
@@ -157,11 +158,13 @@ def propagate(graph: Graph) -> int:
   constraint want with equal support goes to neither (other constraints,
   later in the program, decide it: a weight gradient takes the layout its
   optimizer update needs); then every tie is settled (the earlier factor).
-  The first sweep visits every constraint; later sweeps (alternating
-  direction) only those touching a tensor that changed. The second phase
-  starts from the constraints whose last solve left a tie, or changed their
-  own tensors after it: any other would solve as it did (without a tie,
-  settling ties changes nothing) to the same tensors.
+  A phase's first sweep runs forward over every constraint; later sweeps
+  (alternating direction) only over those touching a tensor that changed.
+  The second phase's first sweep visits, in program order, the constraints
+  whose last solve left a tie or moved their own tensors, and every later one
+  a change in this sweep touched: exactly those a full forward sweep would
+  find something to do at (any other solves as it last did, to the same
+  tensors: without a tie, settling ties changes nothing), in the same order.
   """
   mesh = graph.mesh_sizes
   touching: dict[int, list[int]] = {}
@@ -170,16 +173,26 @@ def propagate(graph: Graph) -> int:
       if t is not None:
         touching.setdefault(id(t), []).append(i)
   sweeps = 0
-  dirty = set(range(len(graph.bounds)))
+  start = set(range(len(graph.bounds)))
   for defer in (True, False):
     first = sweeps
     unsettled: set[int] = set()      # last solve tied, or moved its own tensors
-    while dirty:
+    dirty = set(start)
+    while dirty or (sweeps == first and graph.bounds):   # a phase's full sweep counts
       if sweeps >= MAX_SWEEPS:
         raise RuntimeError(f"propagation did not converge in {MAX_SWEEPS} sweeps")
-      order = sorted(dirty, reverse=(sweeps - first) % 2 == 1)
-      dirty = set()
-      for i in order:
+      full = sweeps == first           # the phase's first sweep: forward, growing
+      queue = sorted(dirty, reverse=(sweeps - first) % 2 == 1)
+      queued, dirty = set(queue), set()
+
+      def visits():
+        if full:                         # a heap: later constraints a change touches join
+          while queue:
+            yield heapq.heappop(queue)
+        else:
+          yield from queue
+
+      for i in visits():
         b = graph.bounds[i]
         before = [(t, t.sharding) for t in b.operands + b.results if t is not None]
         changed, tied = step(b, mesh, defer)
@@ -190,9 +203,15 @@ def propagate(graph: Graph) -> int:
         if changed:
           for t, old in before:
             if t.sharding != old:
-              dirty.update(j for j in touching[id(t)] if j != i)
+              for j in touching[id(t)]:
+                if j == i:
+                  continue
+                dirty.add(j)
+                if full and j > i and j not in queued:
+                  heapq.heappush(queue, j)     # a full forward sweep reaches it now
+                  queued.add(j)
       sweeps += 1
-    dirty = unsettled
+    start = unsettled
   for t, axes in mark_partials(graph).items():
     t.sharding = t.sharding.with_partial(axes)
   for t, sharding in sum_before_scatter(graph).items():
