@@ -509,3 +509,19 @@ def test_a_mesh_with_explicit_axes_runs_uneven_outputs():
   out = gshard.partition(f, explicit, in_specs=(P(),))(x)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(f)(x)))
   assert out.shape == (5,)
+
+
+def test_a_context_mesh_with_explicit_axes():
+  """Under ``jax.set_mesh`` of an Explicit mesh (jax's default), the call, the
+  lowering and the arrays placed on that mesh all work (shard_map refused
+  gshard's Auto mesh under the Explicit context)."""
+  explicit = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  x = np.arange(1, 9, dtype=np.float32)
+  f = lambda x: gshard.shard(jnp.sin(x) * 2, P(("a", "b")))
+  want = np.asarray(jax.jit(f)(x))
+  with jax.set_mesh(explicit):
+    step = gshard.partition(f, explicit, in_specs=(P("a"),))
+    placed = jax.device_put(x, jax.sharding.NamedSharding(explicit, P("a")))
+    np.testing.assert_allclose(np.asarray(step(x)), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(step(placed)), want, rtol=1e-6)
+    assert "all-gather" not in step.lower(x).compile().as_text()

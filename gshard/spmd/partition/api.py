@@ -18,6 +18,7 @@ compiled program is the one every later step hits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -274,7 +275,8 @@ class Partitioned:
     scalars; the key is the tree and each leaf's logical shape, dtype and weak
     type (``jax.typeof(0)`` is a weak ``int32``, as is ``step + 1``)."""
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
-    return self._program(leaves, treedef)
+    with self._mesh_scope():
+      return self._program(leaves, treedef)
 
   def _program(self, leaves, treedef) -> Program:
     structs = [logical_struct(x) for x in leaves]
@@ -407,7 +409,22 @@ class Partitioned:
         out.append(i)
     return out
 
+  def _mesh_scope(self):
+    """The partition mesh as jax's context mesh while gshard traces, where the
+    caller set another (``jax.set_mesh`` of a mesh with Explicit axes would
+    make ``shard_map`` refuse gshard's Auto one)."""
+    current = jax.sharding.get_abstract_mesh()
+    if current.empty or current == self._mesh_type:
+      return contextlib.nullcontext()
+    if self._abstract:
+      return jax.sharding.use_abstract_mesh(self.mesh)
+    return jax.set_mesh(self.mesh)
+
   def __call__(self, *args):
+    with self._mesh_scope():
+      return self._call(*args)
+
+  def _call(self, *args):
     if self._abstract:
       raise RuntimeError(
           f"{self.__name__} is partitioned over an AbstractMesh "
@@ -425,7 +442,7 @@ class Partitioned:
       if not foreign:
         raise
       # arguments committed to devices outside the mesh: moved onto it
-      return self(*self._placed(args, self.program(*args), foreign))
+      return self._call(*self._placed(args, self.program(*args), foreign))
     self._local.placing = True     # laid out now: trace without checking again
     try:
       return self._jit(*placed)
@@ -447,6 +464,10 @@ class Partitioned:
           f"lower for, e.g. {self.__name__}.lower(*args, platform='tpu').")
     self._check_arity(len(args))
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
+    with self._mesh_scope():
+      return self._lower(leaves, treedef, platform)
+
+  def _lower(self, leaves, treedef, platform):
     prog = self._program(leaves, treedef)
     structs = []
     for i, x in enumerate(leaves):

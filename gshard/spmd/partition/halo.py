@@ -163,7 +163,7 @@ def window(ctx: Context, x, dim: int, axes, halo: Halo):
   if halo.slope == 0:
     return lax.slice_in_dim(x, halo.offset, halo.offset + halo.width, axis=dim)
   start = halo.offset + ctx.linear_index(axes) * halo.slope
-  return lax.dynamic_slice_in_dim(x, start, halo.width, axis=dim)
+  return collectives.local_slice(x, start, halo.width, dim)
 
 
 def dilate(x, dim: int, factor: int, fill):
