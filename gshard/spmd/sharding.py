@@ -9,13 +9,15 @@ functions below, each with a worked example.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+import jax
 import numpy as np
-from jax.sharding import AxisType
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 Axes = tuple[str, ...]
@@ -314,3 +316,16 @@ def with_auto_axes(mesh):
   if not types or all(t == AxisType.Auto for t in types):
     return mesh
   return mesh.update(axis_types=(AxisType.Auto,) * len(types))
+
+
+def mesh_scope(mesh):
+  """``mesh`` as jax's context mesh while gshard traces, where the caller set
+  another (under ``jax.set_mesh`` of a mesh with Explicit axes, ``shard_map``
+  refuses gshard's Auto one); otherwise nothing."""
+  current = jax.sharding.get_abstract_mesh()
+  mesh_type = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+  if current.empty or current == mesh_type:
+    return contextlib.nullcontext()
+  if isinstance(mesh, AbstractMesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  return jax.set_mesh(mesh)

@@ -18,7 +18,6 @@ compiled program is the one every later step hits.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -37,7 +36,7 @@ from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
 from gshard.spmd.partition.padded import (PaddedArray, is_padded, logical_struct, pad_to)
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str, short_dtype,
-                                   with_auto_axes)
+                                   mesh_scope, with_auto_axes)
 
 
 @dataclasses.dataclass
@@ -275,7 +274,7 @@ class Partitioned:
     scalars; the key is the tree and each leaf's logical shape, dtype and weak
     type (``jax.typeof(0)`` is a weak ``int32``, as is ``step + 1``)."""
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
-    with self._mesh_scope():
+    with mesh_scope(self.mesh):
       return self._program(leaves, treedef)
 
   def _program(self, leaves, treedef) -> Program:
@@ -409,19 +408,8 @@ class Partitioned:
         out.append(i)
     return out
 
-  def _mesh_scope(self):
-    """The partition mesh as jax's context mesh while gshard traces, where the
-    caller set another (``jax.set_mesh`` of a mesh with Explicit axes would
-    make ``shard_map`` refuse gshard's Auto one)."""
-    current = jax.sharding.get_abstract_mesh()
-    if current.empty or current == self._mesh_type:
-      return contextlib.nullcontext()
-    if self._abstract:
-      return jax.sharding.use_abstract_mesh(self.mesh)
-    return jax.set_mesh(self.mesh)
-
   def __call__(self, *args):
-    with self._mesh_scope():
+    with mesh_scope(self.mesh):
       return self._call(*args)
 
   def _call(self, *args):
@@ -464,7 +452,7 @@ class Partitioned:
           f"lower for, e.g. {self.__name__}.lower(*args, platform='tpu').")
     self._check_arity(len(args))
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
-    with self._mesh_scope():
+    with mesh_scope(self.mesh):
       return self._lower(leaves, treedef, platform)
 
   def _lower(self, leaves, treedef, platform):
