@@ -138,22 +138,16 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
     candidates.append(factors.solve(rule, operands, [None] * len(results), mesh))
     if contraction:   # also in the result's layout, operands moved first
       candidates.append(factors.solve(rule, [None] * len(operands), results, mesh))
-  if not contraction and all(c == candidates[0] for c in candidates):
-    candidates = candidates[:1]           # one candidate: no costs to weigh
+  keys = [tuple(sorted(c.items())) for c in candidates]
   made: dict[tuple, LocalPlan] = {}     # a repeated candidate is planned and costed once
-  plans = []
-  for c in candidates:
-    key = tuple(sorted(c.items()))
-    if key not in made:
-      made[key] = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction)
-    plans.append(made[key])
-  if len(plans) == 1:
+  for k, c in zip(keys, candidates):
+    if k not in made:
+      made[k] = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction)
+  plans = [made[k] for k in keys]
+  if len(made) == 1 and not contraction:   # one candidate: no costs to weigh
     return plans[0]
-  cost_of: dict[int, int] = {}
-  for p in plans:
-    if id(p) not in cost_of:
-      cost_of[id(p)] = _plan_cost(mesh, ins, outs, p)
-  costs = [cost_of[id(p)] for p in plans]
+  cost = {k: _plan_cost(mesh, ins, outs, p) for k, p in made.items()}
+  costs = [cost[k] for k in keys]
   # Option (c) runs only where it holds no more than the operands as they
   # arrive (an all-to-all, not a gather): a gathered weight or activation is
   # memory an expert's layout does not spend (GShard's caveat on (c)).
