@@ -362,6 +362,11 @@ def _tol(ref):
   return dict(rtol=5e-5, atol=5e-5 * scale)
 
 
+def partitioned_and_jit(fn, m, xs, in_specs):
+  """``fn`` on ``xs`` through gshard and through ``jax.jit`` (the reference)."""
+  return gshard.partition(fn, m, in_specs=in_specs)(*xs), jax.jit(fn)(*xs)
+
+
 HYP = settings(max_examples=max(1, settings().max_examples // 2),
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -370,8 +375,7 @@ HYP = settings(max_examples=max(1, settings().max_examples // 2),
 @given(chains())
 def test_random_uneven_chain_forward(case):
   m, chain, xs, in_specs = case
-  out = gshard.partition(chain, m, in_specs=in_specs)(*xs)
-  ref = jax.jit(chain)(*xs)
+  out, ref = partitioned_and_jit(chain, m, xs, in_specs)
   assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **_tol(ref))
 
@@ -386,8 +390,7 @@ def test_random_uneven_chain_value_and_grad(case):
     return jnp.sum(y * np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape))
 
   fn = jax.value_and_grad(loss, argnums=tuple(range(len(xs))))
-  out = gshard.partition(fn, m, in_specs=in_specs)(*xs)
-  ref = jax.jit(fn)(*xs)
+  out, ref = partitioned_and_jit(fn, m, xs, in_specs)
   for k, (g, r) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref))):
     assert g.shape == r.shape, (k, g.shape, r.shape)
   tol = _tol(ref)
@@ -494,8 +497,7 @@ def test_a_scaled_vector_split_further_is_exact(case):
 @given(int_chains())
 def test_random_integer_chain_is_exact(case):
   m, chain, xs, in_specs = case
-  out = gshard.partition(chain, m, in_specs=in_specs)(*xs)
-  ref = jax.jit(chain)(*xs)
+  out, ref = partitioned_and_jit(chain, m, xs, in_specs)
   assert out.shape == ref.shape and out.dtype == ref.dtype, (out.dtype, ref.dtype)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
