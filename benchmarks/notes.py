@@ -33,15 +33,16 @@ GSPMD's extra 6.26 MiB:
    logit (`take_along_axis`, [B/dp, T, 1]) over `model`, on top of the max, the sum
    of exp and the backward sum: 4 small all-reduces against 3.
 
-**Transformer, gshard vs the analytic minimum: +3 B.** All 10 large all-reduces
-(4 per layer, the embedding lookup forward and the tied logits' input gradient
-backward) and the 3 small vocab-parallel statistics are at the minimum. The 3
-bytes are the scalar loss: gshard keeps the gathered target logit a pending sum
-through the mean down to the scalar, so that all-reduce over `model`
-disappears, and reduces the scalar over `data`×`model` (2·7/8·4 = 7 B) instead
-of over `data` (4 B). Autodiff still needs the backward Σ_v of the log-softmax
-cotangent, which Megatron-LM's hand-written backward does not, so the small
-all-reduces still number 3 (max, sum of exp, backward sum), the minimum's count.
+**Transformer, gshard at the analytic minimum.** All 10 large all-reduces (4 per
+layer, the embedding lookup forward and the tied logits' input gradient backward)
+and the 3 small vocab-parallel statistics are at the minimum. The minimum is that
+of the program autodiff produces: the log-softmax's backward sums its cotangent
+over the vocabulary (Σ_v, a third [B/dp, T] all-reduce over `model`), which
+Megatron-LM's hand-written backward replaces by the constant -1/N. The gathered
+target logit needs no all-reduce of its own: gshard keeps it a pending sum over
+`model` through the mean down to the scalar and reduces the loss over
+`data`×`model` (2·7/8·4 = 7 B instead of the 4 B of a `data` all-reduce, against
+6 KiB for a fourth statistic).
 
 The layer-norm backward is where this needed care. The cotangent reaching
 each layer norm is a pending partial sum over `model` (from the transposes of

@@ -127,16 +127,22 @@ def gpt_case(batch=16, seq=128, d_model=256, n_heads=8, d_ff=1024, vocab=1024,
       "backward)": 4 * n_layers * ar(mp, act),
       "2 more of them for the vocab-parallel tied embedding (lookup forward, "
       "dx of the logits matmul backward)": 2 * ar(mp, act),
-      "vocab-parallel cross-entropy as in Megatron-LM: all-reduce over model of "
-      "3 [B/dp,T] statistics (max, target logit, sum of exp), none backward":
+      "vocab-parallel cross-entropy: all-reduce over model of 3 [B/dp,T] "
+      "statistics, the max and the sum of exp forward and the log-softmax "
+      "cotangent's sum over the vocabulary backward (autodiff computes it; "
+      "Megatron-LM's hand-written backward knows it is -1/N)":
           3 * ar(mp, stat),
       "all-reduce over data of every local parameter-gradient shard once":
           ar(dp, local_params),
-      "all-reduce over data of the scalar loss": ar(dp, F32),
+      "the target logit, gathered from vocab-split log-probabilities, is a "
+      "partial sum over model; kept one through the mean: all-reduce of the "
+      "scalar loss over data x model (all-reducing the [B/dp,T] target logits "
+      "over model first would cost a fourth statistic)":
+          ar(dp * mp, F32),
   }
   formula = ("(4L+2)·2(mp-1)/mp·(B/dp·T·D·4) + 3·2(mp-1)/mp·(B/dp·T·4) + "
              "2(dp-1)/dp·4·(V·D/mp + L·(4·D²/mp + 2·D·F/mp + 2·D) + D) + "
-             "2(dp-1)/dp·4")
+             "2(dp·mp-1)/(dp·mp)·4")
   params_specs = M.gpt_specs(params)
   return Case("gpt", f"GPT Transformer (L={n_layers}, D={d_model}, heads={n_heads}, "
               f"F={d_ff}, V={vocab}, T={seq}, B={batch}), mesh data={dp} x model={mp}",

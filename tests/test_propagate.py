@@ -15,6 +15,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax import lax
@@ -631,3 +632,32 @@ def test_result_api(mlp):
   assert len(mlp.shardings) == len(mlp.graph.tensors)
   top = mlp.jaxpr.jaxpr
   assert mlp.in_shardings == [mlp.sharding(v) for v in top.invars]
+
+
+@pytest.mark.parametrize("b,d,f", [(64, 64, 16), (64, 32, 8)])
+def test_a_contracted_split_pays_for_its_partial_sum(b, d, f):
+  """``x @ w`` with x's batch and w's contracted dim (an FSDP weight, pinned)
+  over the one 8-way axis. Giving the axis to the contraction moves x by an
+  all-to-all, 7/8 * b/8 * d * 4 B (896 B and 1792 B here: less than, or equal
+  to, gathering w), and leaves a partial sum of the [b, f] result whose
+  reduce-scatter sends 7/8 * b * f * 4 B more; giving it to the batch gathers
+  w, 7/8 * d * f * 4 B, and nothing else. The solver counts the partial sum:
+  the batch keeps the axis and the program sends w's all-gather only (it
+  chose the contraction before: an all-to-all, or a tie left to the result,
+  then the partial sum resolved at the output)."""
+  m = gshard.make_mesh((8,), ("data",))
+  x, w = rand(b, d, seed=1), rand(d, f, seed=2)
+  step = gshard.partition(lambda x, w: x @ w, m, in_specs=(P("data"), P("data")))
+  low = step.lower(x, w)
+  (dot,) = [e for e in eqn_table(low.propagation) if e[0] == "dot_general"]
+  assert dot[1] == f"f32[{b}@data,{f}]"
+  assert [c.kind for c in low.collectives()] == ["all_gather"], low.explain()
+  assert low.total_bytes() == 7 * d * f * 4 // 8
+  # any order of a length-d f32 dot is within d u sum|x_i w_i| of the exact one
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  err = np.abs(np.asarray(step(x, w), np.float64) - x64 @ w64)
+  assert (err <= d * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))).all()
+
+
+def rand(*shape, seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
