@@ -14,7 +14,9 @@ NOTES = """
   are still pending sums and all-reduces the sum once, as in run.py's GPT.
 - `lm_fsdp`: GSPMD all-reduces whole weight gradients and then slices out each
   device's part (the `dynamic-slice`s of its program); gshard reduce-scatters
-  them, half the bytes, and sends some weights by all-to-all where GSPMD gathers.
+  them, half the bytes, and gathers each weight where it is used, as GSPMD does
+  (the activations keep their batch split through the attention's output
+  projection: no all-to-all).
 - `lm_dp`: one all-reduce of all gradients on both sides, the same bytes.
 - `resnet`: both exchange the same halos (collective permutes) in the spatially
   split stem. After it, GSPMD gathers activations around the channel-split
