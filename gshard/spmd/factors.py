@@ -255,7 +255,6 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
            defer_ties: bool = False) -> tuple[dict[str, Axes], bool]:
   tied = False
   hold, pairs = holders(rule, operands, results, mesh)
-  outs = [(t, d) for t, d in zip(results, rule.results) if t is not None]
   choice: dict[str, Axes] = {}
   strength = {}
   for f in rule.factors:
@@ -280,8 +279,8 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
         stay = {**done, f: tuple(keep)}
         cut = done[g][:done[g].index(a)]
         take = {**done, g: cut, f: tuple(keep) + (a,)}
-        take_bytes = _assignment_bytes(take, pairs, rule, mesh, outs)
-        stay_bytes = _assignment_bytes(stay, pairs, rule, mesh, outs)
+        take_bytes = _assignment_bytes(take, pairs, rule, mesh, results)
+        stay_bytes = _assignment_bytes(stay, pairs, rule, mesh, results)
         if take_bytes < stay_bytes:
           for b in done[g][len(cut):]:
             owner.pop(b, None)
@@ -301,16 +300,18 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
   return done, tied
 
 
-def _assignment_bytes(choice, pairs, rule: FactorRule, mesh, outs=()) -> float:
+def _assignment_bytes(choice, pairs, rule: FactorRule, mesh, results=()) -> float:
   """Bytes per device to bring every tensor to ``choice`` (refinements free),
-  and to resolve the partial sum a split ``sum`` factor leaves in each result
-  ``outs`` (at least a reduce-scatter over those axes): an axis given to a
+  and to resolve the partial sum a split ``sum`` factor leaves in each of the
+  ``results`` (at least a reduce-scatter over those axes): an axis given to a
   contracted dim is not free where it takes the place of a batch split."""
   total = 0.0
   reduced = [a for f in rule.reduction for a in choice.get(f, ())]
   if reduced:
     n = math.prod(mesh[a] for a in reduced)
-    for t, dims in outs:
+    for t, dims in zip(results, rule.results):
+      if t is None:
+        continue
       split = math.prod(mesh[a] for axes in unproject(dims, choice, rule.size_of, mesh)
                         for a in axes)
       total += (n - 1) / n * nbytes(t) / split
