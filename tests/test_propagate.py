@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
@@ -661,3 +663,46 @@ def test_a_contracted_split_pays_for_its_partial_sum(b, d, f):
 
 def rand(*shape, seed=0):
   return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+# -- a literal zero adds nothing to a pending sum ---------------------------------
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 4), c=st.sampled_from([0, 0.0, -0.0, 1, 1.0, -2.0]),
+       ops=st.lists(st.sampled_from(["c+s", "s+c", "c-s", "s-c"]), min_size=4, max_size=4),
+       dtype=st.sampled_from([jnp.float32, jnp.int32]), axes=st.sampled_from(
+           [("model",), ("data", "model")]), seed=st.integers(0, 2**16))
+def test_a_literal_zero_keeps_a_partial_sum_pending(n, c, ops, dtype, axes, seed):
+  """``c + s_1 + ... + s_n`` (Python's ``sum``, ``jax.tree.reduce(add, ...,
+  initializer=0)``, optax's global norm) where each ``s_k`` is a sum over a
+  dim split over ``axes``, so each is pending. A literal zero c (``0``,
+  ``0.0``, ``-0.0``) adds nothing to a partial sum: the chain stays pending
+  and one all-reduce resolves it (it resolved each term before). Any other c
+  must not pass: every device would add it. Values bitwise equal to one device
+  (small integers: every order of the sums is exact; signed zeros included)."""
+  m = gshard.make_mesh(MESH_SHAPE, MESH_NAMES)
+  if dtype == jnp.int32:
+    c = int(c)        # a float literal would convert the int sums (which resolves them)
+  rng = np.random.RandomState(seed)
+  xs = [rng.randint(-3, 4, size=(4, 16)).astype(dtype) for _ in range(n)]
+  if rng.rand() < 0.5:              # zeros, so a term may be +-0.0 exactly
+    xs[0] = np.zeros_like(xs[0]) * (-1 if dtype == jnp.float32 else 1)
+
+  def f(*xs):
+    total = c
+    for x, op in zip(xs, ops):
+      s = jnp.sum(x, axis=1)
+      total = {"c+s": lambda: total + s, "s+c": lambda: s + total,
+               "c-s": lambda: total - s, "s-c": lambda: s - total}[op]()
+    return total
+
+  step = gshard.partition(f, m, in_specs=(P(None, axes),) * n)
+  got, want = step(*xs), jax.jit(f)(*xs)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32 if dtype == jnp.float32
+                                                     else np.int32),
+                                np.asarray(want).view(np.uint32 if dtype == jnp.float32
+                                                      else np.int32))
+  psums = [col for col in step.lower(*xs).collectives() if col.kind == "psum"]
+  if c == 0:
+    assert len(psums) == 1, [str(p) for p in psums]

@@ -345,15 +345,48 @@ def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> fro
 # How a pending partial sum of an operand may pass to the result unresolved.
 # ``partials`` lists each operand's pending axes, None for a literal (which is
 # complete: ``x + 1.0`` with ``x`` pending is not a partial sum, every device
-# would add the 1.0).
+# would add the 1.0), and ZERO for a literal zero, which adds nothing to a sum:
+# ``0 + x`` (Python's ``sum``, ``jax.tree.reduce(add, ..., initializer=0)``,
+# optax's global norm) keeps ``x`` pending.
 #   "none":    never: it is resolved before the op.
 #   "unary":   linear in its one operand (neg, transpose, reshape, reduce_sum ...).
-#   "sum":     add-like: every operand has the same pending axes.
+#   "sum":     add-like: every operand has the same pending axes (a ZERO any).
 #   "product": bilinear (mul): exactly one operand is pending.
 #   "first":   linear in operand 0 only (div): the others are complete.
 
+
+class _Zero:
+  """A literal zero operand (see the linearity table)."""
+
+  def __repr__(self) -> str:
+    return "ZERO"
+
+  def __bool__(self) -> bool:      # pends nothing itself
+    return False
+
+
+ZERO = _Zero()
+
+
+def is_zero(val) -> bool:
+  """Whether a literal's value is a scalar zero (``0``, ``0.0``, ``-0.0``)."""
+  try:
+    return np.ndim(val) == 0 and bool(val == 0)
+  except (TypeError, ValueError):
+    return False
+
+
+def _table(linear: str, partials) -> list:
+  """The partials as the table reads them: a ZERO drops out of a sum and is
+  complete (a literal) anywhere else."""
+  if linear == "sum":
+    return [p for p in partials if p is not ZERO]
+  return [None if p is ZERO else p for p in partials]
+
+
 def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int) -> bool:
   """Whether operand ``i``'s pending sum passes to the result of the op."""
+  partials = _table(linear, partials)     # in a sum, ``i`` (pending) only reads live[0]
   live = [p for p in partials if p is not None]
   if linear == "unary":
     return len(live) == 1
@@ -368,6 +401,7 @@ def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int)
 
 def carried(linear: str, partials: Sequence[frozenset[str] | None]) -> frozenset[str]:
   """The pending axes the result inherits from its operands."""
+  partials = _table(linear, partials)
   live = [p for p in partials if p is not None]
   if linear == "unary" and len(live) == 1:
     return live[0]

@@ -56,6 +56,7 @@ class Bound:
   results: list[Tensor | None]
   eqn: Any
   scope: Scope
+  zeros: frozenset[int] = frozenset()   # operand positions that are a literal zero
 
 
 # -- building the graph ------------------------------------------------------
@@ -154,8 +155,11 @@ class Graph:
         return self.tensor(scope + ((idx, path),), var)
 
       def bind(c: Constraint) -> Bound:
+        zeros = frozenset(k for k, (kind, _, i) in enumerate(c.operands)
+                          if kind == "in" and isinstance(eqn.invars[i], Literal)
+                          and factors.is_zero(eqn.invars[i].val))
         return Bound(c.rule, [resolve(r) for r in c.operands],
-                     [resolve(r) for r in c.results], eqn, scope)
+                     [resolve(r) for r in c.results], eqn, scope, zeros)
 
       def reads_inner_out(c: Constraint) -> bool:
         return any(r[0] == "sub_out" for r in c.operands + c.results)

@@ -58,12 +58,16 @@ def _psum_cost(t: Tensor, axes, mesh) -> float:
   return allreduce_bytes(factors.local_nbytes(t, mesh), n)
 
 
-def _operand_partials(b: Bound, pending=None) -> list[frozenset[str] | None]:
+def _operand_partials(b: Bound, pending=None) -> list:
   """Each operand's pending axes (from ``pending``, else its current sharding);
-  None for a literal."""
+  None for a literal, ``factors.ZERO`` for a literal zero."""
   if pending is None:
-    return [None if o is None else o.sharding.partial for o in b.operands]
-  return [None if o is None else pending.get(o, frozenset()) for o in b.operands]
+    out = [None if o is None else o.sharding.partial for o in b.operands]
+  else:
+    out = [None if o is None else pending.get(o, frozenset()) for o in b.operands]
+  for k in b.zeros:
+    out[k] = factors.ZERO
+  return out
 
 
 def produced(b: Bound, mesh, pending=None, reduced=None) -> frozenset[str]:
