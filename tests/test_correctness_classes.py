@@ -343,3 +343,23 @@ def test_scatter_with_unevenly_split_indices_drops_their_padding_rows():
   args = (x1, np.float32(-0.25), np.array([5, -5, -4, -5, -5, 5], np.int32), np.float32(-0.25))
   specs = (P(("q", "p")), None, P(("r", "p")), None)
   _same(gshard.partition(f, m, in_specs=specs)(*args), jax.jit(f)(*args), "scatter")
+
+
+def test_a_pending_sum_times_inf_is_non_finite_where_one_device_is():
+  """``(a @ b) * y`` with the contraction split: the sum stays pending through
+  the product, so where y is inf a device whose partial term is 0 adds NaN.
+  The README states it: the non-finite positions are those of one device (the
+  kind may be NaN for +-inf); replicating the sum first gives jax's values."""
+  m = mesh((8,), ("x",))
+  a = np.zeros((2, 8), np.float32)
+  a[0, 0], a[1, 0], a[1, 1] = 1.0, 1.0, -2.0
+  b = np.ones((8, 3), np.float32)
+  y = np.array([[np.inf, 0.0, 1.0]] * 2, np.float32)
+  specs = (P(None, "x"), P("x"), P())
+  want = np.asarray(jax.jit(lambda a, b, y: (a @ b) * y)(a, b, y))
+  got = np.asarray(gshard.partition(lambda a, b, y: (a @ b) * y, m, in_specs=specs)(a, b, y))
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+  np.testing.assert_array_equal(np.where(np.isfinite(want), got, 0),
+                                np.where(np.isfinite(want), want, 0))
+  fixed = gshard.partition(lambda a, b, y: gshard.replicate(a @ b) * y, m, in_specs=specs)
+  np.testing.assert_array_equal(np.asarray(fixed(a, b, y)), want)
