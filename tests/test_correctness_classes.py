@@ -345,21 +345,66 @@ def test_scatter_with_unevenly_split_indices_drops_their_padding_rows():
   _same(gshard.partition(f, m, in_specs=specs)(*args), jax.jit(f)(*args), "scatter")
 
 
-def test_a_pending_sum_times_inf_is_non_finite_where_one_device_is():
-  """``(a @ b) * y`` with the contraction split: the sum stays pending through
-  the product, so where y is inf a device whose partial term is 0 adds NaN.
-  The README states it: the non-finite positions are those of one device (the
-  kind may be NaN for +-inf); replicating the sum first gives jax's values."""
+_SPECIAL = [0.0, -0.0, 1.0, -2.0, 3.0, np.inf, -np.inf, np.nan]
+
+
+@settings(max_examples=30, deadline=None)
+@given(op=st.sampled_from(["x*y", "y*x", "x*c", "c*x", "x/y", "y/x", "x/c", "c/x"]),
+       dtype=st.sampled_from([jnp.float32, jnp.int32]), c=st.sampled_from(_SPECIAL),
+       ys=st.lists(st.sampled_from(_SPECIAL), min_size=6, max_size=6),
+       a=st.lists(st.integers(-2, 2), min_size=24, max_size=24))
+def test_a_pending_sum_scaled_or_divided_equals_one_device(op, dtype, c, ys, a):
+  """``s = sum(a, axis=2)`` over a split dim is pending; then ``s * y``, ``s /
+  c`` ... with y a tensor and c a literal, zeros, infinities and NaN among
+  them. A float product passes the pending sum only scaled by a finite literal
+  (a device whose term is 0 would add 0 * inf = NaN where one device has
+  +-inf); a float quotient only by a finite non-zero literal; an integer
+  quotient never (it truncates: (1 + 1) / 2 is not 1 / 2 + 1 / 2). Equal to
+  one device, NaN positions included (small integers: every order of the sums
+  is exact). Not the sign of an exact zero: a cancelled sum scaled by -2 is
+  -0.0 on one device and -2 + 2 = +0.0 as a pending sum, as for any negated
+  pending sum."""
+  m = mesh((4,), ("x",))
+  x = np.asarray(a, np.float64).reshape(2, 3, 4).astype(dtype)
+  y = np.asarray(ys, np.float64).reshape(2, 3)
+  if dtype == jnp.int32:
+    y, c = np.where(np.isfinite(y) & (y != 0), y, 1).astype(np.int32), int(c) if (
+        np.isfinite(c) and c != 0) else 3
+  y = y.astype(dtype)
+  div = lax.div
+
+  def f(x, y):
+    s = jnp.sum(x, axis=2)
+    return {"x*y": lambda: s * y, "y*x": lambda: y * s, "x*c": lambda: s * c,
+            "c*x": lambda: c * s, "x/y": lambda: div(s, y), "y/x": lambda: div(y, s),
+            "x/c": lambda: div(s, jnp.asarray(c, s.dtype)) if dtype == jnp.int32 else s / c,
+            "c/x": lambda: c / s if dtype != jnp.int32 else div(jnp.asarray(c, s.dtype), s),
+            }[op]()
+
+  if dtype == jnp.int32 and op in ("y/x", "c/x"):
+    x = np.where(x == 0, 1, x)      # no integer division by zero
+    x[..., 1:] = 0                  # so no sum is 0 either
+  got = gshard.partition(f, m, in_specs=(P(None, None, "x"), P()))(x, y)
+  want = jax.jit(f)(x, y)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_pending_sum_contracted_with_inf_is_non_finite_where_one_device_is():
+  """``(a @ b) @ w`` with the first contraction split: its sum stays pending
+  into the second, so where w holds inf a device whose partial term is 0 adds
+  NaN. The README states it: the non-finite positions are those of one device
+  (the kind may be NaN for +-inf); replicating the sum first gives jax's values."""
   m = mesh((8,), ("x",))
   a = np.zeros((2, 8), np.float32)
   a[0, 0], a[1, 0], a[1, 1] = 1.0, 1.0, -2.0
   b = np.ones((8, 3), np.float32)
-  y = np.array([[np.inf, 0.0, 1.0]] * 2, np.float32)
+  w = np.array([[np.inf, 0.0], [0.0, 1.0], [0.0, 1.0]], np.float32)
   specs = (P(None, "x"), P("x"), P())
-  want = np.asarray(jax.jit(lambda a, b, y: (a @ b) * y)(a, b, y))
-  got = np.asarray(gshard.partition(lambda a, b, y: (a @ b) * y, m, in_specs=specs)(a, b, y))
+  want = np.asarray(jax.jit(lambda a, b, w: (a @ b) @ w)(a, b, w))
+  got = np.asarray(gshard.partition(lambda a, b, w: (a @ b) @ w, m, in_specs=specs)(a, b, w))
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
   np.testing.assert_array_equal(np.where(np.isfinite(want), got, 0),
                                 np.where(np.isfinite(want), want, 0))
-  fixed = gshard.partition(lambda a, b, y: gshard.replicate(a @ b) * y, m, in_specs=specs)
-  np.testing.assert_array_equal(np.asarray(fixed(a, b, y)), want)
+  fixed = gshard.partition(lambda a, b, w: gshard.replicate(a @ b) @ w, m, in_specs=specs)
+  np.testing.assert_array_equal(np.asarray(fixed(a, b, w)), want)

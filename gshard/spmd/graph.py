@@ -56,7 +56,7 @@ class Bound:
   results: list[Tensor | None]
   eqn: Any
   scope: Scope
-  zeros: frozenset[int] = frozenset()   # operand positions that are a literal zero
+  marks: tuple = ()   # (position, factors.ZERO or CONST) of literal operands the rule reads
 
 
 # -- building the graph ------------------------------------------------------
@@ -155,11 +155,12 @@ class Graph:
         return self.tensor(scope + ((idx, path),), var)
 
       def bind(c: Constraint) -> Bound:
-        zeros = frozenset(k for k, (kind, _, i) in enumerate(c.operands)
-                          if kind == "in" and isinstance(eqn.invars[i], Literal)
-                          and factors.is_zero(eqn.invars[i].val))
+        marks = () if c.rule.linear not in factors.READS_LITERALS else tuple(
+            (k, m) for k, (kind, _, i) in enumerate(c.operands)
+            if kind == "in" and isinstance(eqn.invars[i], Literal)
+            and (m := factors.literal_mark(eqn.invars[i].val)) is not None)
         return Bound(c.rule, [resolve(r) for r in c.operands],
-                     [resolve(r) for r in c.results], eqn, scope, zeros)
+                     [resolve(r) for r in c.results], eqn, scope, marks)
 
       def reads_inner_out(c: Constraint) -> bool:
         return any(r[0] == "sub_out" for r in c.operands + c.results)

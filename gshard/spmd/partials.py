@@ -60,13 +60,13 @@ def _psum_cost(t: Tensor, axes, mesh) -> float:
 
 def _operand_partials(b: Bound, pending=None) -> list:
   """Each operand's pending axes (from ``pending``, else its current sharding);
-  None for a literal, ``factors.ZERO`` for a literal zero."""
+  None for a literal, ``factors.ZERO`` or ``CONST`` for one the rule reads."""
   if pending is None:
     out = [None if o is None else o.sharding.partial for o in b.operands]
   else:
     out = [None if o is None else pending.get(o, frozenset()) for o in b.operands]
-  for k in b.zeros:
-    out[k] = factors.ZERO
+  for k, mark in b.marks:
+    out[k] = mark
   return out
 
 

@@ -86,7 +86,7 @@ class _In:
   sharding: TensorSharding | None     # None for a literal
   shape: tuple[int, ...]
   dtype: object
-  zero: bool = False                  # a literal zero (adds nothing to a pending sum)
+  mark: object = None                 # a literal's factors.ZERO or CONST, if the rule reads it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +114,9 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   g = ctx.graph
   operands = tuple(factors.view(g.tensor(scope, v)) for v in eqn.invars)
   results = tuple(factors.view(g.tensor(scope, v)) for v in eqn.outvars)
+  marks = rule.linear in factors.READS_LITERALS
   in_ = tuple(_In(None if v.literal else v.sharding, tuple(v.shape), v.dtype,
-                  v.literal and factors.is_zero(v.x)) for v in ins)
+                  factors.literal_mark(v.x) if marks and v.literal else None) for v in ins)
   out = tuple(_Out(None if type(var).__name__ == "DropVar" else ctx.target(scope, var),
                    tuple(var.aval.shape), var.aval.dtype) for var in eqn.outvars)
   key = (rule, in_, operands, results, out, frozenset(blocked), bool(allow_other_reduction),
@@ -280,8 +281,7 @@ def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reductio
   _drop_inexpressible(choice, [d for v, d in zip(ins, rule.operands) if v.sharding is not None]
                       + list(rule.results), sizes, mesh)
   # A pending partial sum passes through a linear op; otherwise it is resolved.
-  partials = [factors.ZERO if v.zero else None if v.sharding is None else v.sharding.partial
-              for v in ins]
+  partials = [v.mark if v.sharding is None else v.sharding.partial for v in ins]
   passes = any(partials) and all(factors.lets_through(rule.linear, partials, i)
                                  for i, p in enumerate(partials) if p)
   op_dims = [None if v.sharding is None else tuple(factors.unproject(dims, choice, sizes, mesh))

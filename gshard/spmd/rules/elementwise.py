@@ -67,5 +67,19 @@ def convert_rule(in_avals, out_avals, **params) -> FactorRule:
 
 register("convert_element_type", convert_rule)
 register_elementwise("add sub add_any", linear="sum")
-register_elementwise("mul", linear="product")
-register_elementwise("div", linear="first")
+
+
+def _by_dtype(float_linear: str, int_linear: str):
+  """An elementwise rule whose linearity depends on the result's dtype."""
+  def rule(in_avals, out_avals, **params) -> FactorRule:
+    floats = any(jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals)
+    return elementwise_rule(in_avals, out_avals,
+                            linear=float_linear if floats else int_linear, **params)
+  return rule
+
+
+# An integer product is exact in any order (it wraps like the sum); a float one
+# passes a pending sum only when scaled by a finite literal (a tensor may hold
+# inf). An integer quotient truncates: (1 + 1) / 2 is not 1 / 2 + 1 / 2.
+register("mul", _by_dtype("scale", "product"))
+register("div", _by_dtype("quotient", "none"))
