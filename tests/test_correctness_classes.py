@@ -390,21 +390,37 @@ def test_a_pending_sum_scaled_or_divided_equals_one_device(op, dtype, c, ys, a):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_a_pending_sum_contracted_with_inf_is_non_finite_where_one_device_is():
-  """``(a @ b) @ w`` with the first contraction split: its sum stays pending
-  into the second, so where w holds inf a device whose partial term is 0 adds
-  NaN. The README states it: the non-finite positions are those of one device
-  (the kind may be NaN for +-inf); replicating the sum first gives jax's values."""
-  m = mesh((8,), ("x",))
-  a = np.zeros((2, 8), np.float32)
-  a[0, 0], a[1, 0], a[1, 1] = 1.0, 1.0, -2.0
-  b = np.ones((8, 3), np.float32)
-  w = np.array([[np.inf, 0.0], [0.0, 1.0], [0.0, 1.0]], np.float32)
-  specs = (P(None, "x"), P("x"), P())
-  want = np.asarray(jax.jit(lambda a, b, w: (a @ b) @ w)(a, b, w))
-  got = np.asarray(gshard.partition(lambda a, b, w: (a @ b) @ w, m, in_specs=specs)(a, b, w))
+def test_a_pending_sum_convolved_with_inf_is_non_finite_where_one_device_is():
+  """``conv(x @ a, w)`` with the first contraction split: its sum stays pending
+  into the convolution (linear in its input; halos carry partial sums), so
+  where w holds inf a device whose partial term is 0 adds NaN. The README
+  states it: the non-finite positions are those of one device (the kind may be
+  NaN for +-inf); replicating the sum first gives jax's values. A dot does not
+  take a pending operand, so ``(x @ a) @ w`` is exact."""
+  m = mesh((2, 4), ("a", "b"))
+  x = np.zeros((2, 16, 8), np.float32)
+  x[0, :, 0], x[1, :, 0], x[1, :, 1] = 1.0, 1.0, -2.0
+  a = np.ones((8, 6), np.float32)
+  w = np.zeros((3, 6, 1), np.float32)
+  w[1, 0, 0], w[1, 1, 0] = np.inf, 1.0
+  specs = (P(None, "a", "b"), P("b"), P())
+  dn = ("NWC", "WIO", "NWC")
+
+  def conv(y, w):
+    return lax.conv_general_dilated(y, w, (1,), "SAME", dimension_numbers=dn)
+
+  f = lambda x, a, w: conv(jnp.einsum("nlc,cd->nld", x, a), w)
+  want = np.asarray(jax.jit(f)(x, a, w))
+  got = np.asarray(gshard.partition(f, m, in_specs=specs)(x, a, w))
+  assert not np.isfinite(want).all()
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
   np.testing.assert_array_equal(np.where(np.isfinite(want), got, 0),
                                 np.where(np.isfinite(want), want, 0))
-  fixed = gshard.partition(lambda a, b, w: gshard.replicate(a @ b) @ w, m, in_specs=specs)
-  np.testing.assert_array_equal(np.asarray(fixed(a, b, w)), want)
+  fixed = gshard.partition(lambda x, a, w: conv(gshard.replicate(jnp.einsum(
+      "nlc,cd->nld", x, a)), w), m, in_specs=specs)
+  np.testing.assert_array_equal(np.asarray(fixed(x, a, w)), want)
+  g = lambda x, a, w2: (x @ a) @ w2
+  w2 = np.array([[np.inf, 0.0]] + [[0.0, 1.0]] * 5, np.float32)
+  np.testing.assert_array_equal(
+      np.asarray(gshard.partition(g, m, in_specs=specs)(x, a, w2)),
+      np.asarray(jax.jit(g)(x, a, w2)))

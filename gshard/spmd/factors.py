@@ -352,7 +352,7 @@ def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> fro
 #   "none":     never: it is resolved before the op.
 #   "unary":    linear in its one operand (neg, transpose, reshape, reduce_sum ...).
 #   "sum":      add-like: every operand has the same pending axes (a ZERO any).
-#   "product":  bilinear, exact in any order (an integer mul; dot, conv): exactly
+#   "product":  bilinear (an integer mul, exact in any order; a conv): exactly
 #               one operand is pending.
 #   "scale":    a float mul: one operand pending, the others ZERO or CONST.
 #               By a tensor it would not be exact: where it holds inf, a device

@@ -29,7 +29,7 @@ Dims = tuple[tuple[str, ...], ...]   # per dim, the factors (major first) it hol
 #   "none":     it must be resolved first (psum) before the op.
 #   "unary":    linear in its one operand (neg, convert, transpose, reshape, ...).
 #   "sum":      add-like: passes when every operand has the same partial axes.
-#   "product":  bilinear (integer mul, dot, conv): exactly one operand partial.
+#   "product":  bilinear (integer mul, conv): exactly one operand partial.
 #   "scale":    float mul: one operand partial, the others finite literals.
 #   "quotient": float div: operand 0 partial, divided by a finite non-zero literal.
 #   "first":    linear in operand 0 only, the others unpartial.
