@@ -343,23 +343,18 @@ def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> fro
 
 # -- the linearity table ---------------------------------------------------------
 # How a pending partial sum of an operand may pass to the result unresolved.
-# ``partials`` lists each operand's pending axes; a literal operand is None,
-# ZERO (a scalar zero) or CONST (a finite non-zero scalar). A literal is
-# complete: ``x + 1.0`` with ``x`` pending is not a partial sum (every device
-# would add the 1.0), but a ZERO adds nothing: ``0 + x`` (Python's ``sum``,
-# ``jax.tree.reduce(add, ..., initializer=0)``, optax's global norm) keeps ``x``
-# pending.
-#   "none":     never: it is resolved before the op.
-#   "unary":    linear in its one operand (neg, transpose, reshape, reduce_sum ...).
-#   "sum":      add-like: every operand has the same pending axes (a ZERO any).
-#   "product":  bilinear (an integer mul, exact in any order; a conv): exactly
-#               one operand is pending.
-#   "scale":    a float mul: one operand pending, the others ZERO or CONST.
-#               By a tensor it would not be exact: where it holds inf, a device
-#               whose partial term is 0 adds NaN to what is +-inf on one device.
-#   "quotient": a float div: operand 0 pending, the divisor CONST (by a zero,
-#               the same NaN).
-#   "first":    linear in operand 0 only: the others are complete.
+# ``partials`` lists each operand's pending axes; a literal operand is None, or
+# ZERO for a scalar zero. A literal is complete: ``x + 1.0`` with ``x`` pending
+# is not a partial sum (every device would add the 1.0), but a ZERO adds
+# nothing: ``0 + x`` (Python's ``sum``, ``jax.tree.reduce(add, ...,
+# initializer=0)``, optax's global norm) keeps ``x`` pending.
+#   "none":    never: it is resolved before the op.
+#   "unary":   linear in its one operand (neg, transpose, reshape, reduce_sum ...).
+#   "sum":     add-like: every operand has the same pending axes (a ZERO any).
+#   "product": bilinear (mul, conv): exactly one operand is pending. A float
+#              factor holding inf makes a device whose term is 0 add NaN where
+#              one device has +-inf (the README's one stated difference).
+#   "first":   linear in operand 0 only (float div): the others are complete.
 
 
 class _Mark:
@@ -375,35 +370,28 @@ class _Mark:
     return False
 
 
-ZERO, CONST = _Mark("ZERO"), _Mark("CONST")
+ZERO = _Mark("ZERO")
 # linearities that read a literal's mark (others see every literal as None)
-READS_LITERALS = frozenset({"sum", "scale", "quotient"})
+READS_LITERALS = frozenset({"sum"})
 
 
 def literal_mark(val) -> _Mark | None:
-  """ZERO for a scalar zero (``0``, ``0.0``, ``-0.0``), CONST for another
-  finite scalar, None for anything else (inf, NaN, an array)."""
+  """ZERO for a scalar zero (``0``, ``0.0``, ``-0.0``), None for anything else."""
   try:
     x = np.asarray(val)
-    if x.ndim or x.dtype.kind not in "biufc" or not np.isfinite(x):
+    if x.ndim or x.dtype.kind not in "biufc":
       return None
-    return ZERO if x == 0 else CONST
+    return ZERO if x == 0 else None
   except (TypeError, ValueError):
     return None
 
 
 def _table(linear: str, partials) -> list:
-  """The partials as the table reads them: in a sum a ZERO drops out and a
-  CONST is a complete literal; outside READS_LITERALS every mark is None."""
+  """The partials as the table reads them: in a sum a ZERO drops out;
+  elsewhere it is a complete literal (None)."""
   if linear == "sum":
-    return [None if p is CONST else p for p in partials if p is not ZERO]
-  if linear in READS_LITERALS:
-    return list(partials)
-  return [None if isinstance(p, _Mark) else p for p in partials]
-
-
-def _pending(partials) -> list:
-  return [p for p in partials if p and not isinstance(p, _Mark)]
+    return [p for p in partials if p is not ZERO]
+  return [None if p is ZERO else p for p in partials]
 
 
 def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int) -> bool:
@@ -416,10 +404,6 @@ def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int)
     return all((p or frozenset()) == live[0] for p in partials)
   if linear == "product":
     return sum(1 for p in live if p) == 1
-  if linear == "scale":
-    return all(isinstance(p, _Mark) for k, p in enumerate(partials) if k != i)
-  if linear == "quotient":
-    return i == 0 and all(p is CONST for p in partials[1:])
   if linear == "first":
     return i == 0 and not any(live[1:])
   return False
@@ -435,13 +419,6 @@ def carried(linear: str, partials: Sequence[frozenset[str] | None]) -> frozenset
     return live[0]
   if linear == "product" and sum(1 for p in live if p) == 1:
     return next(p for p in live if p)
-  if linear in ("scale", "quotient"):
-    pending = _pending(partials)
-    if len(pending) == 1:
-      i = next(k for k, p in enumerate(partials) if p is pending[0])
-      if lets_through(linear, partials, i):
-        return pending[0]
-    return frozenset()
   if linear == "first" and partials and partials[0] is not None and not any(live[1:]):
     return partials[0]
   return frozenset()

@@ -56,7 +56,7 @@ class Bound:
   results: list[Tensor | None]
   eqn: Any
   scope: Scope
-  marks: tuple = ()   # (position, factors.ZERO or CONST) of literal operands the rule reads
+  marks: tuple = ()   # (position, factors.ZERO) of literal operands the rule reads
 
 
 # -- building the graph ------------------------------------------------------

@@ -60,7 +60,7 @@ def _psum_cost(t: Tensor, axes, mesh) -> float:
 
 def _operand_partials(b: Bound, pending=None) -> list:
   """Each operand's pending axes (from ``pending``, else its current sharding);
-  None for a literal, ``factors.ZERO`` or ``CONST`` for one the rule reads."""
+  None for a literal, ``factors.ZERO`` for a zero the rule reads."""
   if pending is None:
     out = [None if o is None else o.sharding.partial for o in b.operands]
   else:

@@ -86,7 +86,7 @@ class _In:
   sharding: TensorSharding | None     # None for a literal
   shape: tuple[int, ...]
   dtype: object
-  mark: object = None                 # a literal's factors.ZERO or CONST, if the rule reads it
+  mark: object = None                 # a literal's factors.ZERO, if the rule reads it
 
 
 @dataclasses.dataclass(frozen=True)

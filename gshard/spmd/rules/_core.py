@@ -26,14 +26,12 @@ Dims = tuple[tuple[str, ...], ...]   # per dim, the factors (major first) it hol
 
 # How a pending partial sum of an operand may pass to the result unresolved
 # (the table itself: gshard/spmd/factors.py, ``lets_through``).
-#   "none":     it must be resolved first (psum) before the op.
-#   "unary":    linear in its one operand (neg, convert, transpose, reshape, ...).
-#   "sum":      add-like: passes when every operand has the same partial axes.
-#   "product":  bilinear (integer mul, conv): exactly one operand partial.
-#   "scale":    float mul: one operand partial, the others finite literals.
-#   "quotient": float div: operand 0 partial, divided by a finite non-zero literal.
-#   "first":    linear in operand 0 only, the others unpartial.
-LINEARITIES = ("none", "unary", "sum", "product", "scale", "quotient", "first")
+#   "none":    it must be resolved first (psum) before the op.
+#   "unary":   linear in its one operand (neg, convert, transpose, reshape, ...).
+#   "sum":     add-like: passes when every operand has the same partial axes.
+#   "product": bilinear (mul, conv): passes when exactly one operand is partial.
+#   "first":   linear in operand 0 only, the others unpartial (float div).
+LINEARITIES = ("none", "unary", "sum", "product", "first")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,8 +78,8 @@ def _by_dtype(float_linear: str, int_linear: str):
   return rule
 
 
-# An integer product is exact in any order (it wraps like the sum); a float one
-# passes a pending sum only when scaled by a finite literal (a tensor may hold
-# inf). An integer quotient truncates: (1 + 1) / 2 is not 1 / 2 + 1 / 2.
-register("mul", _by_dtype("scale", "product"))
-register("div", _by_dtype("quotient", "none"))
+# A product passes a pending sum (a float one by a tensor holding inf turns a
+# device's 0 * inf into NaN where one device has +-inf: see the README); an
+# integer quotient truncates, so it never does: (1 + 1) / 2 is not 1/2 + 1/2.
+register_elementwise("mul", linear="product")
+register("div", _by_dtype("first", "none"))
