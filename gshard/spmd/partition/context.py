@@ -176,6 +176,20 @@ class Context:
       return TensorSharding.replicated(len(shape))
     return t.sharding
 
+  def all_replicated(self, eqn, ins: list[Value], scope) -> bool:
+    """Whether every operand arrives, and every result is wanted, whole on
+    every device (a third of a train step's equations: scalars, the
+    optimizer's replicated state): its local plan is the op itself."""
+    for v in ins:
+      if not v.literal and (v.sharding.partial or any(v.sharding.dims)):
+        return False
+    for var in eqn.outvars:
+      if type(var).__name__ != "DropVar":
+        t = self.target(scope, var)
+        if t.partial or any(t.dims):
+          return False
+    return True
+
   # -- communication --------------------------------------------------------
   def reshard(self, v: Value, dst: TensorSharding, eqn, role: str) -> Value:
     """``v`` laid out as ``dst``; collectives recorded against ``eqn``.

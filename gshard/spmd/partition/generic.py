@@ -480,7 +480,7 @@ def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     factor_rule_of(eqn)
   except NotImplementedError:   # a case the sharding rule does not cover
     return safe_rule(ctx, eqn, ins, scope, idx)
-  if _all_replicated(ctx, eqn, ins, scope):   # nothing split or pending: the op as written
+  if ctx.all_replicated(eqn, ins, scope):   # nothing split or pending: the op as written
     xs = [v.x for v in ins]
     params = local_params(eqn, [v.aval.shape for v in eqn.outvars], [np.shape(x) for x in xs])
     outs = eqn.primitive.bind(*xs, **params)
@@ -489,21 +489,6 @@ def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
                   v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
   plan = plan_local(ctx, eqn, ins, scope)
   return bind_local(ctx, eqn, plan, ins, windowed_einsum.choose(ctx, eqn, plan, ins, scope))
-
-
-def _all_replicated(ctx: Context, eqn, ins: list[Value], scope) -> bool:
-  """Whether every operand arrives, and every result is wanted, whole on every
-  device (a third of a train step's equations: scalars, the optimizer's
-  replicated state): its local plan is the op itself."""
-  for v in ins:
-    if not v.literal and (v.sharding.partial or any(v.sharding.dims)):
-      return False
-  for var in eqn.outvars:
-    if type(var).__name__ != "DropVar":
-      t = ctx.target(scope, var)
-      if t is None or t.partial or any(t.dims):
-        return False
-  return True
 
 
 def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
