@@ -670,7 +670,7 @@ def rand(*shape, seed=0):
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 4), c=st.sampled_from([0, 0.0, -0.0, 1, 1.0, -2.0]),
        ops=st.lists(st.sampled_from(["c+s", "s+c", "c-s", "s-c"]), min_size=4, max_size=4),
-       dtype=st.sampled_from([jnp.float32, jnp.int32]), axes=st.sampled_from(
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int32]), axes=st.sampled_from(
            [("model",), ("data", "model")]), seed=st.integers(0, 2**16))
 def test_a_literal_zero_keeps_a_partial_sum_pending(n, c, ops, dtype, axes, seed):
   """``c + s_1 + ... + s_n`` (Python's ``sum``, ``jax.tree.reduce(add, ...,
@@ -699,10 +699,8 @@ def test_a_literal_zero_keeps_a_partial_sum_pending(n, c, ops, dtype, axes, seed
   step = gshard.partition(f, m, in_specs=(P(None, axes),) * n)
   got, want = step(*xs), jax.jit(f)(*xs)
   assert got.dtype == want.dtype
-  np.testing.assert_array_equal(np.asarray(got).view(np.uint32 if dtype == jnp.float32
-                                                     else np.int32),
-                                np.asarray(want).view(np.uint32 if dtype == jnp.float32
-                                                      else np.int32))
+  bits = {jnp.float32: np.uint32, jnp.bfloat16: np.uint16, jnp.int32: np.int32}[dtype]
+  np.testing.assert_array_equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
   psums = [col for col in step.lower(*xs).collectives() if col.kind == "psum"]
   if c == 0:
     assert len(psums) == 1, [str(p) for p in psums]

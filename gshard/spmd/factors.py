@@ -378,10 +378,10 @@ READS_LITERALS = frozenset({"sum"})
 def literal_mark(val) -> _Mark | None:
   """ZERO for a scalar zero (``0``, ``0.0``, ``-0.0``), None for anything else."""
   try:
-    x = np.asarray(val)
-    if x.ndim or x.dtype.kind not in "biufc":
+    x = np.asarray(val)      # bfloat16 and the other ml_dtypes too (kind 'V')
+    if x.ndim or x.dtype == object:
       return None
-    return ZERO if x == 0 else None
+    return ZERO if bool(x == 0) else None
   except (TypeError, ValueError):
     return None
 
