@@ -481,12 +481,7 @@ def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   except NotImplementedError:   # a case the sharding rule does not cover
     return safe_rule(ctx, eqn, ins, scope, idx)
   if ctx.all_replicated(eqn, ins, scope):   # nothing split or pending: the op as written
-    xs = [v.x for v in ins]
-    params = local_params(eqn, [v.aval.shape for v in eqn.outvars], [np.shape(x) for x in xs])
-    outs = eqn.primitive.bind(*xs, **params)
-    outs = list(outs) if eqn.primitive.multiple_results else [outs]
-    return [Value(o, TensorSharding.replicated(len(v.aval.shape)), tuple(v.aval.shape),
-                  v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
+    return _bind_whole(eqn, [v.x for v in ins])
   plan = plan_local(ctx, eqn, ins, scope)
   return bind_local(ctx, eqn, plan, ins, windowed_einsum.choose(ctx, eqn, plan, ins, scope))
 
@@ -504,7 +499,13 @@ def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
         for j, v in enumerate(ins)]
   cols = ctx.recorder.collectives     # the safe path's gathers are reported as such
   cols[first:] = [dataclasses.replace(c, fallback=True) for c in cols[first:]]
-  outs = eqn.primitive.bind(*xs, **eqn.params)
+  return _bind_whole(eqn, xs)
+
+
+def _bind_whole(eqn, xs: list) -> list[Value]:
+  """The primitive on whole (replicated) operands; its results replicated."""
+  params = local_params(eqn, [v.aval.shape for v in eqn.outvars], [np.shape(x) for x in xs])
+  outs = eqn.primitive.bind(*xs, **params)
   outs = list(outs) if eqn.primitive.multiple_results else [outs]
   return [Value(o, TensorSharding.replicated(len(v.aval.shape)), tuple(v.aval.shape),
                 v.aval.dtype) for o, v in zip(outs, eqn.outvars)]

@@ -69,17 +69,15 @@ register("convert_element_type", convert_rule)
 register_elementwise("add sub add_any", linear="sum")
 
 
-def _by_dtype(float_linear: str, int_linear: str):
-  """An elementwise rule whose linearity depends on the result's dtype."""
-  def rule(in_avals, out_avals, **params) -> FactorRule:
-    floats = any(jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals)
-    return elementwise_rule(in_avals, out_avals,
-                            linear=float_linear if floats else int_linear, **params)
-  return rule
+def div_rule(in_avals, out_avals, **params) -> FactorRule:
+  """A float quotient is linear in its dividend; an integer one truncates, so it
+  takes no pending sum: (1 + 1) / 2 is not 1/2 + 1/2."""
+  floats = all(jnp.issubdtype(a.dtype, jnp.inexact) for a in out_avals)
+  return elementwise_rule(in_avals, out_avals, linear="first" if floats else "none",
+                          **params)
 
 
 # A product passes a pending sum (a float one by a tensor holding inf turns a
-# device's 0 * inf into NaN where one device has +-inf: see the README); an
-# integer quotient truncates, so it never does: (1 + 1) / 2 is not 1/2 + 1/2.
+# device's 0 * inf into NaN where one device has +-inf: see the README).
 register_elementwise("mul", linear="product")
-register("div", _by_dtype("first", "none"))
+register("div", div_rule)
