@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from gshard.spmd import registry
@@ -55,13 +56,18 @@ def run_jaxpr(ctx: Context, jaxpr, scope: tuple, consts: Sequence,
   for idx, eqn in enumerate(jaxpr.eqns):
     ins = [read(v) for v in eqn.invars]
     rule = partition_rule_for(eqn)
-    ctx.enclosing.append(eqn)   # inner jaxprs name this equation's source line
-    try:
-      outs = rule(ctx, eqn, ins, scope, idx)
-    finally:
-      ctx.enclosing.pop()
-    for j, (v, out) in enumerate(zip(eqn.outvars, outs)):
-      if type(v).__name__ == "DropVar":
-        continue
-      env[v] = ctx.reshard(out, ctx.target(scope, v), eqn, f"result {j}")
+    # what the equation becomes (its local op, its collectives) carries the
+    # user's source line and name stack into the lowered and compiled program,
+    # as jax's own trace would (profilers and HLO dumps name the user's layer)
+    names = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=names):
+      ctx.enclosing.append(eqn)   # inner jaxprs name this equation's source line
+      try:
+        outs = rule(ctx, eqn, ins, scope, idx)
+      finally:
+        ctx.enclosing.pop()
+      for j, (v, out) in enumerate(zip(eqn.outvars, outs)):
+        if type(v).__name__ == "DropVar":
+          continue
+        env[v] = ctx.reshard(out, ctx.target(scope, v), eqn, f"result {j}")
   return [read(v) for v in jaxpr.outvars]
