@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compute_on import compute_on
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import PartitionSpec as P
 
 import gshard
@@ -211,6 +213,48 @@ def test_the_compiled_program_names_the_users_layer_and_line():
   assert f'"{os.path.abspath(__file__)}"' in hlo
   line = line_of(_MLP, "flax_linen.Dense(8")
   assert re.search(rf"line={line} ", hlo), line
+
+
+def _tagged(x, w):
+  with set_xla_metadata(gshard_test_tag="layer7"):
+    y = jnp.tanh(x @ w)
+  return jnp.sum(y)
+
+
+def test_set_xla_metadata_reaches_the_partitioned_program():
+  """The user's ``set_xla_metadata`` is on the per-device ops of the equations
+  it covered (as ``mhlo.frontend_attributes``, as under ``jax.jit``), and on
+  none of the others."""
+  m = mesh((2, 4), ("data", "model"))
+  x, w = rand(8, 16), rand(16, 8, seed=1)
+  step = gshard.partition(_tagged, m, in_specs=(P("data"), P(None, "model")))
+  n = x.shape[0] * w.shape[1]     # the sum's terms, each |tanh| <= 1, reassociated
+  np.testing.assert_allclose(step(x, w), jax.jit(_tagged)(x, w), rtol=0,
+                             atol=n * n * np.finfo(np.float32).eps)
+  text = step.lower(x, w).as_text()
+  tagged = [ln for ln in text.splitlines() if 'gshard_test_tag = "layer7"' in ln]
+  assert any("stablehlo.dot_general" in ln for ln in tagged), tagged
+  assert any("stablehlo.tanh" in ln for ln in tagged), tagged
+  assert not any("reduce" in ln for ln in tagged), tagged
+
+
+def test_compute_on_is_reported_not_carried():
+  """A ``compute_on`` placement is not carried (the collectives gshard adds
+  would be placed with the op): each such line is named in a warning."""
+  m = mesh((2, 4), ("data", "model"))
+  x, w = rand(8, 16), rand(16, 8, seed=1)
+
+  def f(x, w):
+    with compute_on("device_host"):
+      y = jnp.tanh(x @ w)
+    return jnp.sum(y)
+
+  with pytest.warns(gshard.PartitionWarning, match=r"compute_on\('device_host'\) at .*"
+                    + THIS_FILE + r":\d+.*runs on the device"):
+    got = gshard.partition(f, m, in_specs=(P("data"), P(None, "model")))(x, w)
+  n = x.shape[0] * w.shape[1]
+  np.testing.assert_allclose(got, jax.jit(f)(x, w), rtol=0,
+                             atol=n * n * np.finfo(np.float32).eps)
 
 
 def test_plain_code_keeps_jaxs_format():

@@ -9,14 +9,17 @@ driver knows no primitive.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from gshard.spmd import registry
-from gshard.spmd.partition.context import Context, Value
+from gshard.spmd.partition.context import Context, PartitionWarning, Value
 from gshard.spmd.partition.generic import generic_rule, safe_rule
 from gshard.spmd.sharding import TensorSharding
 
@@ -58,9 +61,11 @@ def run_jaxpr(ctx: Context, jaxpr, scope: tuple, consts: Sequence,
     rule = partition_rule_for(eqn)
     # what the equation becomes (its local op, its collectives) carries the
     # user's source line and name stack into the lowered and compiled program,
-    # as jax's own trace would (profilers and HLO dumps name the user's layer)
+    # as jax's own trace would (profilers and HLO dumps name the user's layer),
+    # and the user's set_xla_metadata
     names = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=names):
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=names), \
+        _user_attributes(ctx, eqn):
       ctx.enclosing.append(eqn)   # inner jaxprs name this equation's source line
       try:
         outs = rule(ctx, eqn, ins, scope, idx)
@@ -71,3 +76,17 @@ def run_jaxpr(ctx: Context, jaxpr, scope: tuple, consts: Sequence,
           continue
         env[v] = ctx.reshard(out, ctx.target(scope, v), eqn, f"result {j}")
   return [read(v) for v in jaxpr.outvars]
+
+
+def _user_attributes(ctx: Context, eqn):
+  """The user's ``set_xla_metadata`` of ``eqn``, to bind its per-device ops
+  under (nothing to enter for most equations). A ``compute_on`` placement is
+  not carried: the collectives gshard adds for the equation would be placed
+  with it. It warns."""
+  if eqn.ctx.compute_type is not None:
+    warnings.warn(
+        f"gshard: compute_on({eqn.ctx.compute_type!r}) at {ctx.source(eqn)} is not "
+        "carried into the partitioned program: this equation runs on the device.",
+        PartitionWarning, stacklevel=3)
+  meta = eqn.ctx.xla_metadata
+  return set_xla_metadata(**meta) if meta else contextlib.nullcontext()
