@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import gshard
+from gshard.spmd.source import source_of
 from helpers_partition import assert_named_sharding, check_shards_against_reference, mesh
 
 pytestmark = pytest.mark.filterwarnings("error::gshard.PartitionWarning")
@@ -337,6 +338,21 @@ def _tol(ref) -> dict:
   return dict(rtol=2e-5, atol=2e-5 * scale)
 
 
+COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "all_to_all",
+                         "reduce_scatter", "ppermute"})
+
+
+def _collective_eqns(jaxpr):
+  """Every collective equation of ``jaxpr``, inner jaxprs included."""
+  for e in jaxpr.eqns:
+    if e.primitive.name in COLLECTIVES:
+      yield e
+    for p in e.params.values():
+      inner = getattr(p, "jaxpr", p)
+      if hasattr(inner, "eqns"):
+        yield from _collective_eqns(inner)
+
+
 # -- properties -----------------------------------------------------------------
 
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -382,6 +398,12 @@ def test_random_program_value_and_grad_matches_unpartitioned(case):
   for j, (g, r) in enumerate(zip(out[1], ref[1])):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), err_msg=f"grad {j}",
                                **tol)
+  # the per-device program (so its HLO metadata) names, for each collective, the
+  # user line that explain() names, under the equation's jvp/transpose name stack
+  emitted = {source_of(e) for e in _collective_eqns(low.per_device_jaxpr())
+             if str(e.source_info.name_stack)}
+  declared = {c.source for c in low.collectives() if c.source != "program output"}
+  assert emitted == declared, (emitted, declared)
 
 
 def test_generator_covers_every_kind():

@@ -103,6 +103,13 @@ def source_of(eqn) -> str:
   return summarize(getattr(info, "traceback", None))
 
 
+def names_code(traceback) -> bool:
+  """Whether ``traceback`` has a frame outside jax, jaxlib, gshard and the
+  standard library (:func:`summarize` of it is not ``""``)."""
+  return traceback is not None and any(
+      _kind(code.co_filename) != "core" for code in traceback.raw_frames()[0])
+
+
 def summarize(traceback) -> str:
   """:func:`source_of` of a jaxlib ``Traceback`` (``eqn.source_info.traceback``)."""
   if traceback is None:

@@ -22,6 +22,7 @@ from gshard.spmd import registry
 from gshard.spmd.partition.context import Context, PartitionWarning, Value
 from gshard.spmd.partition.generic import generic_rule, safe_rule
 from gshard.spmd.sharding import TensorSharding
+from gshard.spmd.source import names_code
 
 
 def partition_rule_for(eqn):
@@ -63,9 +64,13 @@ def run_jaxpr(ctx: Context, jaxpr, scope: tuple, consts: Sequence,
     # user's source line and name stack into the lowered and compiled program,
     # as jax's own trace would (profilers and HLO dumps name the user's layer),
     # and the user's set_xla_metadata
+    # (an equation inside a library's jitted function, traced where no user
+    # frame was on the stack, keeps its caller's line: what ctx.source reports)
     names = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=names), \
-        _user_attributes(ctx, eqn):
+    tb = eqn.source_info.traceback
+    if ctx.enclosing and not names_code(tb):
+      tb = None
+    with source_info_util.user_context(tb, name_stack=names), _user_attributes(ctx, eqn):
       ctx.enclosing.append(eqn)   # inner jaxprs name this equation's source line
       try:
         outs = rule(ctx, eqn, ins, scope, idx)
