@@ -101,8 +101,14 @@ def _apply_all_gather(x, step, global_shape, sizes, order):
 
 
 def _apply_all_to_all(x, step, global_shape, sizes, order):
-  return lax.all_to_all(x, axis_name(step.axes), split_axis=step.dst_dim,
-                        concat_axis=step.src_dim, tiled=True)
+  """One all-to-all. Its operand is a barrier's: XLA (jaxlib 0.10.2) splits an
+  all-to-all of a concatenation or pad into one operand per piece, and rejects
+  its own program when the pieces got different layouts ("all-to-all has
+  operands with different shapes: f32[2,2] ... f32[2,2]"): a transposed outer
+  product padded for an uneven split, or concatenated with zeros, did that.
+  The operand is one buffer either way."""
+  return lax.all_to_all(lax.optimization_barrier(x), axis_name(step.axes),
+                        split_axis=step.dst_dim, concat_axis=step.src_dim, tiled=True)
 
 
 def _apply_psum(x, step, global_shape, sizes, order):
