@@ -215,6 +215,40 @@ def test_the_compiled_program_names_the_users_layer_and_line():
   assert re.search(rf"line={line} ", hlo), line
 
 
+@jax.jit
+def _inner(x, w):
+  with jax.named_scope("innerscope"):
+    return jnp.tanh(x @ w)
+
+
+def _outer_loss(x, w):
+  with jax.named_scope("outer"):
+    return jnp.sum(_inner(x, w) ** 2)
+
+
+def _dot_scopes(hlo: str, prefix: str) -> set[str]:
+  """The scopes (op_name less its last part, which XLA's rewrites may change)
+  of the dots of a compiled program."""
+  return {n[len(prefix):].rsplit("/", 1)[0]
+          for n in re.findall(r" dot\(.*op_name=\"([^\"]*)\"", hlo) if n.startswith(prefix)}
+
+
+def test_a_nested_jit_and_named_scopes_name_the_ops_as_under_jax_jit():
+  """Every dot of the gradient program carries the scope jax.jit gives it
+  (``jvp(outer)/jit(_inner)/innerscope``, ``transpose(jvp(outer))/...``),
+  under gshard's ``jit(body)/shard_map`` prefix."""
+  m = mesh((2, 4), ("data", "model"))
+  x, w = rand(8, 16), rand(16, 8, seed=1)
+  grad = jax.grad(_outer_loss, argnums=1)
+  step = gshard.partition(grad, m, in_specs=(P("data"), P(None, "model")))
+  ours = _dot_scopes(step.lower(x, w).compile().as_text(),
+                     "jit(_outer_loss)/jit(body)/shard_map/")
+  theirs = _dot_scopes(jax.jit(grad).lower(x, w).compile().as_text(), "jit(_outer_loss)/")
+  assert theirs == {"jvp(outer)/jit(_inner)/innerscope",
+                    "transpose(jvp(outer))/jit(_inner)/innerscope"}, theirs
+  assert theirs <= ours, (theirs, ours)
+
+
 def _tagged(x, w):
   with set_xla_metadata(gshard_test_tag="layer7"):
     y = jnp.tanh(x @ w)
@@ -236,6 +270,29 @@ def test_set_xla_metadata_reaches_the_partitioned_program():
   assert any("stablehlo.dot_general" in ln for ln in tagged), tagged
   assert any("stablehlo.tanh" in ln for ln in tagged), tagged
   assert not any("reduce" in ln for ln in tagged), tagged
+
+
+def _tagged_value(x, w):
+  return jnp.sum(set_xla_metadata(x @ w, gshard_test_tag="value_form"))
+
+
+def test_the_value_form_of_set_xla_metadata_tags_the_local_op():
+  """``set_xla_metadata(value, ...)`` (an identity primitive) has a rule: the
+  tag lands on the local dot, the pending sum passes through it, and nothing
+  takes the safe path (``strict=True``)."""
+  m = mesh((2, 4), ("data", "model"))
+  x, w = rand(8, 16), rand(16, 8, seed=1)
+  step = gshard.partition(_tagged_value, m, in_specs=(P(None, "model"), P("model")),
+                          strict=True)
+  # a sum of 8*8 dots of n terms each, reassociated: at most (n + 64) roundings
+  # of a sum whose terms add up to at most 64 * n * max|x| * max|w|
+  n, cells = x.shape[1], x.shape[0] * w.shape[1]
+  bound = (n + cells) * np.finfo(np.float32).eps * cells * n * np.abs(x).max() * np.abs(w).max()
+  np.testing.assert_allclose(step(x, w), jax.jit(_tagged_value)(x, w), rtol=0, atol=bound)
+  low = step.lower(x, w)
+  tagged = [ln for ln in low.as_text().splitlines() if 'gshard_test_tag = "value_form"' in ln]
+  assert len(tagged) == 1 and "stablehlo.dot_general" in tagged[0], tagged
+  assert [c.kind for c in low.collectives()] == ["psum"]
 
 
 def test_compute_on_is_reported_not_carried():

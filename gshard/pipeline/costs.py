@@ -88,6 +88,7 @@ _MOVEMENT = frozenset({
     "convert_element_type", "bitcast_convert_type", "copy", "copy_p", "iota", "device_put",
     "sharding_constraint", "split", "optimization_barrier", "stop_gradient", "squeeze_p",
     "broadcast", "reduce_precision_p", "mesh_cast", "reshard", "empty",
+    "xla_metadata_value",
 })
 
 _RULED = _REDUCTIONS | _SCATTER_COMBINE | _MOVEMENT | _CALL_FREE

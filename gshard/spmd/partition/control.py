@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 from jax import lax
+from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from gshard.spmd.partition.context import Context, Value
@@ -143,7 +144,11 @@ def call_rule(ctx: Context, eqn, ins, scope, idx, *, param: str) -> list[Value]:
   inner = eqn.params[param]
   jaxpr = getattr(inner, "jaxpr", inner)
   consts = getattr(inner, "consts", ())
-  return ctx.run_jaxpr(jaxpr, scope + ((idx, (param,)),), consts, ins)
+  if eqn.primitive.name not in ("jit", "pjit"):
+    return ctx.run_jaxpr(jaxpr, scope + ((idx, (param,)),), consts, ins)
+  # the body's ops are named under jit(NAME), as jax lowers a nested jit
+  with source_info_util.extend_name_stack(f"jit({eqn.params.get('name', 'jit')})"):
+    return ctx.run_jaxpr(jaxpr, scope + ((idx, (param,)),), consts, ins)
 
 
 def checkpoint_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:

@@ -54,7 +54,9 @@ register_elementwise(
     "shift_right_logical population_count clz select_n "
     "reduce_precision stop_gradient optimization_barrier")
 # Linear maps of their one operand: a partial sum passes through.
-register_elementwise("neg copy copy_p real_to_complex",
+# (xla_metadata_value: the value form of set_xla_metadata, an identity whose
+# lowering tags the op that produced its operand.)
+register_elementwise("neg copy copy_p real_to_complex xla_metadata_value",
                      linear="unary")
 
 
