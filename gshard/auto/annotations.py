@@ -16,11 +16,11 @@ import functools
 from collections.abc import Callable, Sequence
 
 import jax
-from jax.extend import source_info_util
 from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import shard
+from gshard.spmd.source import rebinding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +93,7 @@ def _run(jaxpr, consts, args, by_eqn):
 
   for i, eqn in enumerate(jaxpr.eqns):
     params = eqn.primitive.get_bind_params(eqn.params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+    with rebinding(eqn.source_info), \
         eqn.ctx.manager:
       ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
       outs = list(ans) if eqn.primitive.multiple_results else [ans]

@@ -34,8 +34,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util
 from jax.extend.core import DropVar, Literal
+
+from gshard.spmd.source import rebinding
 
 # Calls whose inner equations are inlined (their results then split finely).
 _INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -130,8 +131,7 @@ def _evaluate(eqns, env: dict) -> dict:
   for e in eqns:
     xs = [v.val if isinstance(v, Literal) else env[v] for v in e.ins]
     params = e.primitive.get_bind_params(e.params)
-    names = source_info_util.current_name_stack() + e.source.name_stack
-    with source_info_util.user_context(e.source.traceback, name_stack=names), e.ctx.manager:
+    with rebinding(e.source), e.ctx.manager:
       out = e.primitive.bind(*xs, **params)
     outs = out if e.primitive.multiple_results else [out]
     for k, o in zip(e.outs, outs):

@@ -25,6 +25,8 @@ import importlib.util
 import os
 import sysconfig
 
+from jax.extend import source_info_util
+
 # packages whose frames are never the user's model code, wherever installed
 LIBRARIES = ("jax", "jaxlib", "gshard", "flax", "optax", "orbax", "chex", "equinox",
              "haiku", "numpy", "ml_dtypes", "opt_einsum", "scipy")
@@ -101,6 +103,14 @@ def source_of(eqn) -> str:
   ``""`` when no frame outside jax and gshard exists."""
   info = getattr(eqn, "source_info", None)
   return summarize(getattr(info, "traceback", None))
+
+
+def rebinding(info, own_line: bool = True):
+  """The context to bind an equation's ops again in (an interpreter's): its
+  name stack after the current one and, with ``own_line``, its traceback (else
+  the caller's stays), so lowered programs name the user's layer and line."""
+  names = source_info_util.current_name_stack() + info.name_stack
+  return source_info_util.user_context(info.traceback if own_line else None, name_stack=names)
 
 
 def names_code(traceback) -> bool:

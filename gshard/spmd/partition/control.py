@@ -144,10 +144,10 @@ def call_rule(ctx: Context, eqn, ins, scope, idx, *, param: str) -> list[Value]:
   inner = eqn.params[param]
   jaxpr = getattr(inner, "jaxpr", inner)
   consts = getattr(inner, "consts", ())
-  if eqn.primitive.name not in ("jit", "pjit"):
-    return ctx.run_jaxpr(jaxpr, scope + ((idx, (param,)),), consts, ins)
-  # the body's ops are named under jit(NAME), as jax lowers a nested jit
-  with source_info_util.extend_name_stack(f"jit({eqn.params.get('name', 'jit')})"):
+  # a nested jit's ops are named under jit(NAME), as jax lowers it
+  named = (source_info_util.extend_name_stack(f"jit({eqn.params.get('name', 'jit')})")
+           if eqn.primitive.name in ("jit", "pjit") else contextlib.nullcontext())
+  with named:
     return ctx.run_jaxpr(jaxpr, scope + ((idx, (param,)),), consts, ins)
 
 

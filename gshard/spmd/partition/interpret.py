@@ -15,14 +15,13 @@ from collections.abc import Sequence
 
 import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
-from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from gshard.spmd import registry
 from gshard.spmd.partition.context import Context, PartitionWarning, Value
 from gshard.spmd.partition.generic import generic_rule, safe_rule
 from gshard.spmd.sharding import TensorSharding
-from gshard.spmd.source import names_code
+from gshard.spmd.source import names_code, rebinding
 
 
 def partition_rule_for(eqn):
@@ -60,17 +59,12 @@ def run_jaxpr(ctx: Context, jaxpr, scope: tuple, consts: Sequence,
   for idx, eqn in enumerate(jaxpr.eqns):
     ins = [read(v) for v in eqn.invars]
     rule = partition_rule_for(eqn)
-    # what the equation becomes (its local op, its collectives) carries the
-    # user's source line and name stack into the lowered and compiled program,
-    # as jax's own trace would (profilers and HLO dumps name the user's layer),
-    # and the user's set_xla_metadata
-    # (an equation inside a library's jitted function, traced where no user
-    # frame was on the stack, keeps its caller's line: what ctx.source reports)
-    names = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    tb = eqn.source_info.traceback
-    if ctx.enclosing and not names_code(tb):
-      tb = None
-    with source_info_util.user_context(tb, name_stack=names), _user_attributes(ctx, eqn):
+    # what the equation becomes (its local op, its collectives) is bound under
+    # its source and the user's set_xla_metadata; an equation of a library's
+    # jitted function traced with no user frame keeps its caller's line (what
+    # ctx.source reports)
+    own_line = not ctx.enclosing or names_code(eqn.source_info.traceback)
+    with rebinding(eqn.source_info, own_line), _user_attributes(ctx, eqn):
       ctx.enclosing.append(eqn)   # inner jaxprs name this equation's source line
       try:
         outs = rule(ctx, eqn, ins, scope, idx)
