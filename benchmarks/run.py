@@ -125,8 +125,15 @@ def gpt_case(batch=16, seq=128, d_model=256, n_heads=8, d_ff=1024, vocab=1024,
       f"{4 * n_layers} all-reduces over model of the [B/dp,T,D] activation "
       "(per layer: attention and MLP outputs forward, their input gradients "
       "backward)": 4 * n_layers * ar(mp, act),
-      "2 more of them for the vocab-parallel tied embedding (lookup forward, "
-      "dx of the logits matmul backward)": 2 * ar(mp, act),
+      "1 more of them for the tied logits matmul (its input gradient, "
+      "backward)": ar(mp, act),
+      "the tied embedding's lookup forward: an all-to-all over model moves the "
+      "vocab-split table [V/mp, D] to a feature split [V, D/mp], each device looks "
+      "up its features, an all-gather over model completes the [B/dp,T,D] "
+      "activation. A vocab-parallel masked lookup all-reduces that activation "
+      "instead (twice the all-gather's bytes, more than both together); "
+      "all-gathering the table would send less but hold it whole on every device":
+          (mp - 1) / mp * (vocab * d_model // mp * F32) + (mp - 1) / mp * act,
       "vocab-parallel cross-entropy: all-reduce over model of 3 [B/dp,T] "
       "statistics, the max and the sum of exp forward and the log-softmax "
       "cotangent's sum over the vocabulary backward (autodiff computes it; "
@@ -140,7 +147,8 @@ def gpt_case(batch=16, seq=128, d_model=256, n_heads=8, d_ff=1024, vocab=1024,
       "over model first would cost a fourth statistic)":
           ar(dp * mp, F32),
   }
-  formula = ("(4L+2)·2(mp-1)/mp·(B/dp·T·D·4) + 3·2(mp-1)/mp·(B/dp·T·4) + "
+  formula = ("(4L+1)·2(mp-1)/mp·(B/dp·T·D·4) + (mp-1)/mp·(V·D/mp·4 + B/dp·T·D·4) + "
+             "3·2(mp-1)/mp·(B/dp·T·4) + "
              "2(dp-1)/dp·4·(V·D/mp + L·(4·D²/mp + 2·D·F/mp + 2·D) + D) + "
              "2(dp·mp-1)/(dp·mp)·4")
   params_specs = M.gpt_specs(params)

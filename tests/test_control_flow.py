@@ -128,7 +128,11 @@ def test_scanned_gpt_sgd_steps_equal_one_device():
     assert_named_sharding(leaf, m, spec, f"parameter {k}")
   low = step.lower(params, *batch)
   assert not low.fallbacks
-  assert "all_gather" not in kinds(low), low.explain()
+  # no weight is ever gathered: the only all-gather completes the embedding
+  # lookup, whose table moved to a feature split first (fewer bytes than
+  # all-reducing a vocab-split masked lookup)
+  assert {(c.primitive, c.role) for c in low.collectives() if c.kind == "all_gather"} \
+      <= {("gather", "result 0")}, low.explain()
 
 
 def _lower_gpt(n_layers: int, scanned: bool):

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -58,7 +60,14 @@ def eqns_of(jaxpr):
 
 # -- the embedding lookup ---------------------------------------------------------
 
-def embed_args(vocab, d_model=16, seed=0):
+# The masked-lookup tests give the table a feature dim the model axis does not
+# divide: it cannot move to a feature split (the cheaper plan where it can,
+# test_a_table_split_like_its_tokens_moves_to_its_feature_dim below), so its
+# lookup is the vocab-split masked one.
+FEAT = 18
+
+
+def embed_args(vocab, d_model=FEAT, seed=0):
   rng = np.random.default_rng(seed)
   table = rng.standard_normal((vocab, d_model)).astype(np.float32)
   tokens = rng.integers(0, vocab, (8, 12)).astype(np.int32)
@@ -83,14 +92,14 @@ def test_vocab_split_embedding_never_gathers_the_table(vocab):
   # gshard's record: one psum over model of the looked-up rows, nothing else
   cols = low.collectives()
   assert [(c.kind, c.axes, c.primitive) for c in cols] == [("psum", ("model",), "gather")]
-  assert cols[0].shape == (8, 12, 16)
+  assert cols[0].shape == (8, 12, FEAT)
   # the per-device program looks up in its own block of the table
   (gather,) = [e for e in eqns_of(low.per_device_jaxpr()) if e.primitive.name == "gather"]
-  assert gather.invars[0].aval.shape == (-(-vocab // MODEL), 16)
+  assert gather.invars[0].aval.shape == (-(-vocab // MODEL), FEAT)
   # XLA's program: no all-gather; all-reduces over model of at most the local rows
   hlo = hlo_of(low)
   assert hlo and not [c for c in hlo if c.kind == "all-gather"], hlo
-  local_rows = (8 // DATA) * 12 * 16 * 4
+  local_rows = (8 // DATA) * 12 * FEAT * 4
   assert all(c.kind == "all-reduce" and c.axes == ("model",) for c in hlo), hlo
   assert sum(c.nbytes for c in hlo) == local_rows < table.nbytes
 
@@ -99,7 +108,7 @@ def test_vocab_split_embedding_never_gathers_the_table(vocab):
 def test_embedding_gradient_scatter_adds_into_the_split_table(vocab):
   m = mesh(*M24)
   table, tokens = embed_args(vocab, seed=1)
-  w = rand(8, 12, 16, seed=2)
+  w = rand(8, 12, FEAT, seed=2)
   grad = jax.grad(lambda t, k: jnp.sum(_lookup(t, k) * w))
   step = gshard.partition(grad, m, in_specs=(P("model"), P("data")), out_specs=P("model"))
   out = step(table, tokens)
@@ -107,10 +116,10 @@ def test_embedding_gradient_scatter_adds_into_the_split_table(vocab):
   np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(grad)(table, tokens)),
                              rtol=1e-5, atol=1e-5)
   low = step.lower(table, tokens)
-  local = (-(-vocab // MODEL), 16)
+  local = (-(-vocab // MODEL), FEAT)
   scatters = [e for e in eqns_of(low.per_device_jaxpr()) if e.primitive.name == "scatter-add"]
   # each device's block and one trash row for the updates of the others' rows
-  assert scatters and all(e.outvars[0].aval.shape == (local[0] + 1, 16) for e in scatters)
+  assert scatters and all(e.outvars[0].aval.shape == (local[0] + 1, FEAT) for e in scatters)
   # the only collectives: the lookup's psum and the data-parallel sum of each
   # device's block of the gradient; the table itself never moves
   cols = low.collectives()
@@ -124,7 +133,7 @@ def test_embedding_gradient_scatter_adds_into_the_split_table(vocab):
   else:
     # jax arrays hold only even layouts: the 50-row gradient leaves the program
     # replicated, so the padded table is gathered once, at the output only
-    padded = (local[0] * MODEL, 16)
+    padded = (local[0] * MODEL, FEAT)
     assert all(c.shapes == (("f32", padded),) for c in gathers), hlo
   table_sums = [(c.axes, s) for c in hlo if c.kind == "all-reduce"
                 for _, s in c.shapes if len(s) == 2]
@@ -136,7 +145,7 @@ def test_embedding_sgd_step_keeps_the_table_split():
   out vocab-split, no all-gather anywhere."""
   m = mesh(*M24)
   table, tokens = embed_args(50, seed=3)
-  w = rand(8, 12, 16, seed=4)
+  w = rand(8, 12, FEAT, seed=4)
 
   def step_fn(t, k):
     loss, g = jax.value_and_grad(lambda t: jnp.mean((_lookup(t, k) - w) ** 2))(t)
@@ -148,6 +157,92 @@ def test_embedding_sgd_step_keeps_the_table_split():
   # (helpers_numerics); the longest sum is the loss's mean over w's elements
   check_steps(step, jax.jit(step_fn), jax.jit(step_fn), (table,), (tokens,), n=w.size)
   assert "all_gather" not in kinds(step.lower(table, tokens))
+
+
+def _small_ints(rng, shape, dtype, low=-3, high=4):
+  """Small integers: every product and sum below is exact in f32, so a
+  partitioned run must equal one device's bit for bit, in any order."""
+  return rng.integers(low, high, shape).astype(dtype)
+
+
+def test_a_table_split_like_its_tokens_moves_to_its_feature_dim():
+  """FSDP: the table split on its vocabulary over ``data``, like the batch of
+  its tokens. Gathering the table for the lookup sends 7/8 of it, and
+  reduce-scattering its gradient the same again; moving the table to a
+  feature split (an all-to-all of 1/8 of it), gathering the small int32
+  tokens and moving the looked-up rows back to the batch split (an
+  all-to-all) sends less. The gradient is the mirror image. explain() lists
+  the alternatives with their bytes."""
+  m = mesh((8,), ("data",))
+  rng = np.random.default_rng(0)
+  table = _small_ints(rng, (64, 16), np.float32)
+  tokens = rng.integers(0, 64, (16, 12)).astype(np.int32)
+  w = _small_ints(rng, (16, 12, 16), np.float32, -2, 3)
+  fn = jax.value_and_grad(lambda t, k: jnp.sum(w * t[k] ** 2))
+  step = gshard.partition(fn, m, in_specs=(P("data"), P("data")), out_specs=(P(), P("data")))
+  for got, want in zip(step(table, tokens), jax.jit(fn)(table, tokens)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  low = step.lower(table, tokens)
+  moves = {(c.primitive, c.role): (c.kind, c.bytes) for c in low.collectives()
+           if c.primitive in ("gather", "scatter-add")}
+  table_block = table.nbytes // 8
+  rows_block = w.nbytes // 8
+  assert moves == {
+      ("gather", "operand 0"): ("all_to_all", 7 * table_block // 8),
+      ("gather", "operand 1"): ("all_gather", 7 * tokens.nbytes // 8),
+      ("gather", "result 0"): ("all_to_all", 7 * rows_block // 8),
+      ("scatter-add", "operand 2"): ("all_to_all", 7 * rows_block // 8),
+      ("scatter-add", "result 0"): ("all_to_all", 7 * table_block // 8),
+  }, low.explain()
+  (lookup, *_) = [c for c in low.choices() if c.primitive == "gather"]
+  gather_table = 7 * table.nbytes // 8
+  assert lookup.chosen.bytes == sum(b for (p, _), (_, b) in moves.items() if p == "gather")
+  assert lookup.chosen.bytes < gather_table
+  assert [o.bytes for o in lookup.options if not o.chosen and
+          o.moves == (("operand 0", "all_gather[data]"),)] == [gather_table], lookup
+  assert "contractions and lookups:" in low.explain()
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_lookup_whose_table_may_move_equals_one_device(data):
+  """Random meshes, table and token splits (the same axis or not), vocabularies
+  the axis divides or not, feature dims it divides or not, f32 / bf16 / int32:
+  the lookup (and, for f32, its gradient) equals one device's bit for bit,
+  whichever plan ran."""
+  shape, names = data.draw(st.sampled_from([((8,), ("x",)), ((2, 4), ("x", "y")),
+                                            ((4, 2), ("x", "y"))]), label="mesh")
+  m = mesh(shape, names)
+  sizes = dict(zip(names, shape))
+  t_axis = data.draw(st.sampled_from(names), label="table axis")
+  k_axis = data.draw(st.sampled_from([None, *names]), label="token axis")
+  n = sizes[t_axis]
+  vocab = data.draw(st.integers(n, 6 * n), label="vocab")
+  feat = data.draw(st.sampled_from([n, 2 * n, n + 1]), label="features")
+  batch = data.draw(st.sampled_from([8, 16]), label="batch")
+  seq = data.draw(st.integers(1, 6), label="seq")
+  dtype = data.draw(st.sampled_from([np.float32, jnp.bfloat16, np.int32]), label="dtype")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+  table = _small_ints(rng, (vocab, feat), dtype)
+  tokens = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
+  specs = (P(t_axis), P(k_axis))
+  if dtype == np.float32:
+    w = _small_ints(rng, (batch, seq, feat), dtype, -2, 3)
+    fn = jax.value_and_grad(lambda t, k: jnp.sum(w * t[k] ** 2))
+  else:
+    fn = lambda t, k: t[k] * t[k]        # noqa: E731 (the square resolves the lookup)
+  step = gshard.partition(fn, m, in_specs=specs)
+  got, want = gshard.unpad(step(table, tokens)), jax.jit(fn)(table, tokens)
+  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(x, np.float64))
+  low = step.lower(table, tokens)
+  assert not low.fallbacks
+  # the plan run is the cheapest of those explain() lists for each lookup
+  for choice in low.choices():
+    assert choice.chosen.bytes == min(o.bytes for o in choice.options
+                                       if o.chosen or not o.memory), choice
 
 
 # -- cross-entropy over a split vocabulary --------------------------------------------
@@ -364,7 +459,7 @@ def test_scatter_add_is_not_the_safe_path():
 ])
 def test_gather_modes_over_a_split_table(mode, idx):
   m = mesh(*M24)
-  x = rand(16, 8)
+  x = rand(16, 7)             # 7 features: the table stays vocab-split (see FEAT)
   idx = np.asarray(idx, np.int32)
   if mode is None:
     fn = lambda a, i: a[i]                                          # noqa: E731

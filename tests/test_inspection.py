@@ -353,6 +353,6 @@ def test_explain_shows_each_contraction_option_with_its_bytes():
   sent = sum(c.bytes for c in low.collectives() if c.primitive == "dot_general")
   assert sent == choice.chosen.bytes
   report = low.explain()
-  section = report.split("contractions:")[1]
+  section = report.split("contractions and lookups:")[1]
   assert "chosen" in section and "(c) reshard operands first" in section, report
   assert "operand 0 all_gather[model]; operand 1 all_gather[model]" in section, report

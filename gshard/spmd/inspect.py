@@ -189,7 +189,7 @@ def _choice_lines(choices: list[Choice], top: int) -> list[str]:
   ranked = [g for g in ranked if any(o.bytes for o in g[0].options)]
   if not ranked:
     return []
-  lines = ["", "contractions: the option chosen, and what the others would send:"]
+  lines = ["", "contractions and lookups: the option chosen, and what the others would send:"]
   for g in ranked[:top]:
     c = g[0]
     times = f" x{len(g)}" if len(g) > 1 else ""

@@ -247,7 +247,7 @@ class Context:
         str(dtype), self.source(eqn)))
 
   def note_choice(self, eqn, options, ins: list[Value], results) -> None:
-    """Record how contraction ``eqn`` runs among ``options`` (for ``explain()``):
+    """Record how contraction or lookup ``eqn`` runs among ``options`` (for ``explain()``):
     its operands as they arrive, its results as the chosen option makes them."""
     sig = " x ".join(v.sharding.format(v.shape, v.dtype) for v in ins) + " -> " + ", ".join(
         s.format(v.aval.shape, v.aval.dtype) for s, v in zip(results, eqn.outvars))

@@ -22,7 +22,7 @@ from jax import lax
 from jax.lax import GatherScatterMode
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import bind_local, factor_rule_of, plan_local
+from gshard.spmd.partition.generic import bind_local, factor_rule_of, note_options, plan_local
 from gshard.spmd.sharding import TensorSharding
 
 
@@ -165,6 +165,7 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   dn = eqn.params["dimension_numbers"]
   mode = eqn.params["mode"]
   plan = plan_local(ctx, eqn, ins, scope)
+  note_options(ctx, eqn, plan, ins)
   operand = ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
   indices = ctx.reshard(ins[1], plan.operands[1], eqn, "operand 1")
   split = _index_offsets(ctx, eqn, plan, plan.rule.operands[0],
@@ -226,6 +227,7 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   del idx
   dn = eqn.params["dimension_numbers"]
   plan = plan_local(ctx, eqn, ins, scope)
+  note_options(ctx, eqn, plan, ins)
   vals = [ctx.reshard(v, s, eqn, f"operand {j}") if s is not None else v
           for j, (v, s) in enumerate(zip(ins, plan.operands))]
   summed = tuple(a for f in sorted(plan.rule.reduction) for a in plan.choice.get(f, ())

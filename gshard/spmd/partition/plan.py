@@ -1,0 +1,390 @@
+"""The local plan of one equation: per factor, the mesh axes to compute with.
+
+:func:`plan_local` reads the primitive's factor rule (the one propagation
+used) and weighs candidate choices by the bytes their reshards send:
+propagation's choice for the whole equation; the operands' own layout
+(compute where the data is, then reshard the result: GShard's einsum option
+(a)); for a contraction, the result's layout with the operands moved first
+(option (c)); for a table lookup or its scatter-add gradient, the operands'
+layout with a split the lookup would gather or leave pending moved to another
+dim of the same operand first (an all-to-all). It gives the operand and
+result shardings of the cheapest, and a contraction's alternatives with their
+bytes for ``explain()`` (:class:`Option`). ``generic.bind_local`` runs a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from gshard.spmd import factors, registry, reshard
+from gshard.spmd.partition import windowed_einsum
+from gshard.spmd.partition.context import Context, Value
+from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
+from gshard.spmd.sharding import TensorSharding, fit_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One way to run a contraction per device, and what it sends.
+
+  Attributes:
+    label: GShard's name for it: ``(a) compute where the operands are``,
+      ``(b) contract the split dim, partial sum`` or ``(c) reshard operands
+      first``.
+    bytes: bytes per device of its reshards (operands in, results out).
+    moves: ``(role, collective kinds and axes)`` of each tensor it reshards.
+    chosen: whether the partitioner ran this one.
+    memory: bytes per device its operand reshards add (a gathered operand).
+  """
+
+  label: str
+  bytes: int
+  moves: tuple[tuple[str, str], ...]
+  chosen: bool = False
+  memory: int = 0
+
+  def __str__(self) -> str:
+    what = "; ".join(f"{r} {m}" for r, m in self.moves) or "no communication"
+    return f"{self.label}: {what}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPlan:
+  """How one equation runs per device (``options``: a contraction's
+  alternatives with their bytes, for ``explain()``)."""
+
+  rule: FactorRule
+  choice: dict[str, tuple[str, ...]]
+  operands: list[TensorSharding | None]   # None for literals
+  results: list[TensorSharding]
+  options: tuple[Option, ...] = ()
+
+
+def factor_rule_of(eqn) -> FactorRule:
+  """The factor rule of ``eqn`` (a single-constraint OpRule is unwrapped)."""
+  r = registry.rule_of(eqn)
+  if isinstance(r, OpRule) and len(r.constraints) == 1:
+    c = r.constraints[0]
+    if c.operands == tuple(IN(i) for i in range(len(eqn.invars))) and \
+        c.results == tuple(OUT(i) for i in range(len(eqn.outvars))):
+      r = c.rule
+  if not isinstance(r, FactorRule):
+    raise TypeError(f"{eqn.primitive.name}: generic partitioning needs a FactorRule")
+  return r
+
+
+@dataclasses.dataclass(frozen=True)
+class _In:
+  """An operand as the local plan reads it (hashable: the memo's key)."""
+
+  sharding: TensorSharding | None     # None for a literal
+  shape: tuple[int, ...]
+  dtype: object
+  mark: object = None                 # a literal's factors.ZERO, if the rule reads it
+
+
+@dataclasses.dataclass(frozen=True)
+class _Out:
+  """A result as the local plan reads it: its propagated target (None if dropped)."""
+
+  target: TensorSharding | None
+  shape: tuple[int, ...]
+  dtype: object
+
+
+def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(),
+               allow_other_reduction=False) -> LocalPlan:
+  """Per-factor axes for the local op, and the operand/result shardings they imply.
+
+  Two candidates: the factor axes propagation settled on for the whole
+  equation, and those its operands hold (compute where the data is, then
+  reshard the result: GShard's einsum option (a), which turns a split moving
+  from G to E in MoE dispatch into one all-to-all instead of gathering the
+  operands). The one that sends fewer bytes wins; ties go to the first.
+  Pure in what it reads, so it is memoised (a model's repeated layers are
+  planned once).
+  """
+  rule = factor_rule_of(eqn)
+  g = ctx.graph
+  operands = tuple(factors.view(g.tensor(scope, v)) for v in eqn.invars)
+  results = tuple(factors.view(g.tensor(scope, v)) for v in eqn.outvars)
+  marks = rule.linear in factors.READS_LITERALS
+  in_ = tuple(_In(None if v.literal else v.sharding, tuple(v.shape), v.dtype,
+                  factors.literal_mark(v.x) if marks and v.literal else None) for v in ins)
+  out = tuple(_Out(None if type(var).__name__ == "DropVar" else ctx.target(scope, var),
+                   tuple(var.aval.shape), var.aval.dtype) for var in eqn.outvars)
+  key = (rule, in_, operands, results, out, frozenset(blocked), bool(allow_other_reduction),
+         eqn.primitive.name in CONTRACTIONS, eqn.primitive.name in LOOKUPS,
+         tuple(ctx.mesh_sizes.items()))
+  try:
+    hash(key)
+  except TypeError:          # a dtype jax cannot hash: plan it anew
+    return _plan(*key)
+  return _plan_memo(*key)
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _plan_memo(*key) -> LocalPlan:
+  return _plan(*key)
+
+
+def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_reduction,
+          contraction, lookup, mesh_items) -> LocalPlan:
+  mesh = dict(mesh_items)
+  candidates = [factors.solve(rule, operands, results, mesh)]
+  if any(r is not None for r in results):
+    candidates.append(factors.solve(rule, operands, [None] * len(results), mesh))
+    if contraction:   # also in the result's layout, operands moved first
+      candidates.append(factors.solve(rule, [None] * len(operands), results, mesh))
+  keys = [tuple(sorted(c.items())) for c in candidates]
+  made: dict[tuple, LocalPlan] = {}     # a repeated candidate is planned and costed once
+  for k, c in zip(keys, candidates):
+    if k not in made:
+      made[k] = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction)
+  plans = [made[k] for k in keys]
+  base = min(1, len(plans) - 1)          # the operands' own layout
+  if len(made) == 1 and not contraction and not (
+      lookup and _reshards(ins, outs, plans[0])):   # nothing to weigh
+    return plans[0]
+  cost = {k: _plan_cost(mesh, ins, outs, p) for k, p in made.items()}
+  costs = [cost[k] for k in keys]
+  # Option (c) runs only where it holds no more than the operands as they
+  # arrive (an all-to-all, not a gather): a gathered weight or activation is
+  # memory an expert's layout does not spend (GShard's caveat on (c)).
+  grows = [_operand_growth(mesh, ins, p) for p in plans]
+  eligible = [k for k in range(len(plans)) if k < 2 or not grows[k]]
+  if lookup and min(costs[k] for k in eligible) > 0:
+    # Moving an operand's split to another of its dims first (an all-to-all)
+    # where the plans above would gather it or leave its sum pending: the
+    # FSDP embedding lookup all-to-alls its table from the vocabulary to the
+    # feature dim instead of gathering it. Run only where it holds no more
+    # per device than the plans it competes with.
+    held = min(_footprint(mesh, ins, outs, plans[k]) for k in range(base + 1))
+    for c in _relocations(rule, ins, plans[base], candidates[base], blocked, mesh):
+      k = tuple(sorted(c.items()))
+      if k in made:
+        continue
+      made[k] = p = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction)
+      if _footprint(mesh, ins, outs, p) <= held:
+        plans.append(p)
+        costs.append(_plan_cost(mesh, ins, outs, p))
+        grows.append(_operand_growth(mesh, ins, p))
+        eligible.append(len(plans) - 1)
+  best = min(eligible, key=lambda k: (costs[k], k))
+  if not contraction and len(plans) == len(keys):
+    return plans[best]
+  options, seen = [], set()
+  for k, p in enumerate(plans):
+    key = (tuple(p.operands), tuple(p.results))
+    if key not in seen and costs[k] < _INFEASIBLE:
+      seen.add(key)
+      options.append(_option(mesh, ins, outs, p, costs[k], k == best, grows[k]))
+  return dataclasses.replace(plans[best], options=tuple(options))
+
+
+def _relocations(rule: FactorRule, ins, plan: LocalPlan, choice, blocked, mesh):
+  """Choices that move the axes an operand loses under ``plan`` (gathered,
+  or split on a summed factor: a pending sum) to another of its dims: a free
+  factor, not summed, that those axes divide."""
+  sizes = rule.size_of
+  taken = {f for f, axes in choice.items() if axes}
+  skip = rule.blocked | rule.reduction | rule.other_reduction | frozenset(blocked)
+  for v, dims, s in zip(ins, rule.operands, plan.operands):
+    if s is None or v.sharding is None:
+      continue
+    for d, (held, fs) in enumerate(zip(v.sharding.dims, dims)):
+      lost = tuple(a for a in held if a not in s.dims[d] or fs[0] in rule.reduction)
+      if not lost or len(fs) != 1:
+        continue
+      n = math.prod(mesh[a] for a in lost)
+      for other in dims:
+        g = other[0]
+        if len(other) != 1 or g in skip or g in taken or g == fs[0] or sizes[g] % n:
+          continue
+        yield {**{f: tuple(a for a in axes if a not in lost) for f, axes in choice.items()},
+               g: lost}
+
+
+def _reshards(ins, outs, plan: LocalPlan) -> bool:
+  """Whether ``plan`` moves an operand in or a result out."""
+  return (any(v.sharding is not None and s is not None and v.sharding != s
+              for v, s in zip(ins, plan.operands))
+          or any(o.target is not None and o.target != s for o, s in zip(outs, plan.results)))
+
+
+def _footprint(mesh, ins, outs, plan: LocalPlan) -> int:
+  """Bytes per device the local op holds: its operands and results."""
+  total = 0
+  for t, s in list(zip(ins, plan.operands)) + list(zip(outs, plan.results)):
+    if s is not None:
+      size = np.dtype(t.dtype).itemsize if _numpy_dtype(t.dtype) else 4
+      total += math.prod(s.local_shape(t.shape, mesh)) * size
+  return total
+
+
+def _operand_growth(mesh, ins, plan: LocalPlan) -> int:
+  """Bytes per device the plan's operand reshards add to what arrives."""
+  grow = 0
+  for v, s in zip(ins, plan.operands):
+    if s is not None and v.sharding != s:
+      size = np.dtype(v.dtype).itemsize if _numpy_dtype(v.dtype) else 4
+      before = math.prod(v.sharding.local_shape(v.shape, mesh)) * size
+      after = math.prod(s.local_shape(v.shape, mesh)) * size
+      grow += max(0, after - before)
+  return grow
+
+
+def _numpy_dtype(dtype) -> bool:
+  try:
+    np.dtype(dtype)
+  except TypeError:
+    return False
+  return True
+
+
+def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
+                 window: windowed_einsum.Window | None = None) -> None:
+  """Record a contraction's alternatives, when it had any, for ``explain()``.
+  With a ``window``, the ring is the option chosen; the plan's collective is
+  listed beside it with what it would hold."""
+  options = plan.options
+  if window is not None:
+    # the collective the ring replaces holds, at a time, the gathered operand
+    # or the whole partial result: what windowed_einsum.choose weighed the
+    # ring's own holding against
+    chosen = next((o for o in options if o.chosen), None)
+    options = tuple(dataclasses.replace(o, chosen=False, memory=window.gathered)
+                    if o.chosen else o for o in options) + (_ring_option(window, chosen),)
+  if len(options) > 1:
+    ctx.note_choice(eqn, options, ins, plan.results if window is None else window.results)
+
+
+def _ring_option(window: windowed_einsum.Window, chosen: Option | None) -> Option:
+  """The windowed einsum ``window`` as an option: the plan's option
+  ``chosen`` with its gather (or reduce-scatter) run as ``n-1``
+  collective-permutes, the same bytes, holding ``window.held``."""
+  if window.kind == "gather":
+    label, role = "(c) windowed einsum: ring of blocks", f"operand {window.operand}"
+  else:
+    label, role = "(b) windowed einsum: ring of partial sums", "result 0"
+  ring = f"collective_permute[{','.join(window.axes)}] x{window.n - 1}"
+  moves = tuple((r, ring if r == role else m) for r, m in (chosen.moves if chosen else ()))
+  if role not in (r for r, _ in moves):
+    moves += ((role, ring),)
+  return Option(label, chosen.bytes if chosen else 0, moves, True, window.held)
+
+
+def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int) -> Option:
+  """``plan`` described as one of GShard's einsum options."""
+  moves = []
+  pairs = [(f"operand {j}", v.sharding, s, v) for j, (v, s) in enumerate(zip(ins, plan.operands))
+           if s is not None and v.sharding != s]
+  pairs += [(f"result {j}", s, o.target, o) for j, (o, s) in enumerate(zip(outs, plan.results))
+            if o.target is not None and o.target != s]
+  for role, src, dst, t in pairs:
+    try:
+      steps = reshard.plan_reshard(src, dst, t.shape, t.dtype, mesh).collectives
+    except ValueError:
+      continue
+    if steps:
+      moves.append((role, " + ".join(f"{x.kind}[{','.join(x.axes)}]" for x in steps)))
+  if any(plan.choice.get(f) for f in plan.rule.reduction):
+    label = "(b) contract the split dim, partial sum"
+  elif any(role.startswith("operand") for role, _ in moves):
+    label = "(c) reshard operands first"
+  else:
+    label = "(a) compute where the operands are"
+  return Option(label, cost, tuple(moves), chosen, grow)
+
+
+_INFEASIBLE = 1 << 62
+# Sums over a factor two operands share, where GShard's three einsum options
+# apply (a gather's sum factor is a masked lookup: its table never moves).
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# Lookups into a table and their scatter-add gradients: where the table's split
+# conflicts with the indices', its split may move to another of its dims first.
+LOOKUPS = frozenset({"gather", "scatter-add", "scatter-sub"})
+
+
+def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
+  """Bytes per device to reshard operands into ``plan`` and results out of it."""
+  total = 0
+  for v, s in zip(ins, plan.operands):
+    if s is not None and v.sharding != s:
+      total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype, mesh).bytes_per_device
+  for o, s in zip(outs, plan.results):
+    if o.target is not None and o.target != s:
+      try:
+        total += reshard.plan_reshard(s, o.target, o.shape, o.dtype, mesh).bytes_per_device
+      except ValueError:   # would need to create a partial sum: not a candidate
+        return _INFEASIBLE
+  return total
+
+
+def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reduction) -> LocalPlan:
+  choice = dict(choice)
+  sizes = rule.size_of
+  compound = {f for dims in rule.operands + rule.results for d in dims if len(d) > 1
+              for f in d}
+  for f in rule.factors:
+    axes = list(choice.get(f, ()))
+    if f in rule.blocked or f in blocked or (
+        f in rule.other_reduction and not allow_other_reduction):
+      axes = []
+    # An uneven split is padded; a factor inside a compound dim must be even.
+    if f in compound:
+      axes = fit_axes(axes, sizes[f], mesh)
+    choice[f] = tuple(axes)
+  _drop_inexpressible(choice, [d for v, d in zip(ins, rule.operands) if v.sharding is not None]
+                      + list(rule.results), sizes, mesh)
+  # A pending partial sum passes through a linear op; otherwise it is resolved.
+  partials = [v.mark if v.sharding is None else v.sharding.partial for v in ins]
+  passes = any(partials) and all(factors.lets_through(rule.linear, partials, i)
+                                 for i, p in enumerate(partials) if p)
+  op_dims = [None if v.sharding is None else tuple(factors.unproject(dims, choice, sizes, mesh))
+             for v, dims in zip(ins, rule.operands)]
+  res_dims = [tuple(factors.unproject(dims, choice, sizes, mesh)) for dims in rule.results]
+  split_axes = {a for d in op_dims + res_dims if d is not None for x in d for a in x}
+  if passes:
+    # A pending sum passes only where no operand or result is split over its
+    # axes: x * sum(x) with x split over them would multiply each block of x
+    # by a device's partial sum. Otherwise it is resolved first.
+    carried = frozenset().union(*[v.sharding.partial - {a for x in d for a in x}
+                                  for v, d in zip(ins, op_dims) if d is not None])
+    passes = not carried & split_axes
+  operands: list[TensorSharding | None] = []
+  for v, d in zip(ins, op_dims):
+    if d is None:
+      operands.append(None)
+      continue
+    used = {a for x in d for a in x}
+    partial = (v.sharding.partial - used) if passes else frozenset()
+    operands.append(TensorSharding(d, partial))
+  carried = frozenset().union(*[o.partial for o in operands if o is not None])
+  reduced = frozenset(a for f in rule.reduction for a in choice.get(f, ()))
+  results = [TensorSharding(d, (carried | reduced) - {a for x in d for a in x})
+             for d in res_dims]
+  return LocalPlan(rule, choice, operands, results)
+
+
+def _drop_inexpressible(choice, tensors, sizes, mesh_sizes) -> None:
+  """Unsplit each factor that some operand or result cannot hold as chosen.
+
+  A compound dim holds its minor factor's split only when its major factors
+  are split fully: reshape ``f32[2,8] -> f32[16]`` (``ab->(ab)``) with ``b``
+  over 8 devices would leave the operand ``[_,x]`` but the result unsplit,
+  and the local reshape ``(2,1) -> (16,)`` would be wrong. Edits ``choice``.
+  """
+  changed = True
+  while changed:
+    changed = False
+    for dims in tensors:
+      got = factors.project(dims, factors.unproject(dims, choice, sizes, mesh_sizes), sizes, mesh_sizes)
+      for f in sorted({f for d in dims for f in d}):
+        if choice.get(f) and got.get(f, ()) != choice[f]:
+          choice[f] = ()
+          changed = True
