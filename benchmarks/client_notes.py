@@ -16,7 +16,12 @@ NOTES = """
   device's part (the `dynamic-slice`s of its program); gshard reduce-scatters
   them, half the bytes, and gathers each weight where it is used, as GSPMD does
   (the activations keep their batch split through the attention's output
-  projection: no all-to-all).
+  projection). The token embedding is the exception: gshard moves the table
+  from its vocabulary split to a feature split (an all-to-all of 1/8 of it),
+  gathers the int32 tokens, looks up each device's features and moves the rows
+  back to the batch split (an all-to-all): 87.5 KiB against 224 KiB for
+  gathering the table. Its gradient is the mirror image (84 KiB), against
+  GSPMD's all-reduce of the whole table gradient (448 KiB).
 - `lm_dp`: one all-reduce of all gradients on both sides, the same bytes.
 - `resnet`: both exchange the same halos (collective permutes) in the spatially
   split stem. After it, GSPMD gathers activations around the channel-split

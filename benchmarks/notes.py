@@ -16,8 +16,8 @@ tuple all-reduce over `data` of the gradient shards of w1, w2 and the loss. No
 backward activation all-reduce is needed, because x is data and its gradient is not
 computed.
 
-**Transformer, gshard vs GSPMD: gshard sends 27% fewer bytes (16.77 vs 23.03 MiB).**
-GSPMD's extra 6.26 MiB:
+**Transformer, gshard vs GSPMD: gshard sends 30% fewer bytes (16.21 vs 23.03 MiB).**
+GSPMD's extra 6.82 MiB:
 
 1. +6.00 MiB, the input gradient of attention. x feeds the three column-parallel
    projections q, k and v. Each transposed einsum (`transpose(jvp(btd,dhk->bthk))`)
@@ -32,10 +32,18 @@ GSPMD's extra 6.26 MiB:
 3. +6 KiB, the cross-entropy statistics. GSPMD all-reduces the gathered target
    logit (`take_along_axis`, [B/dp, T, 1]) over `model`, on top of the max, the sum
    of exp and the backward sum: 4 small all-reduces against 3.
+4. +576 KiB, the tied embedding's lookup. GSPMD looks up each device's vocabulary
+   rows (zeros elsewhere) and all-reduces the [B/dp, T, D] result over `model`
+   (1.5 MiB). gshard moves the table's [V/mp, D] block to a feature split
+   [V, D/mp] (one all-to-all, 192 KiB), looks up each device's features and
+   all-gathers the result (768 KiB, half the all-reduce).
 
-**Transformer, gshard at the analytic minimum.** All 10 large all-reduces (4 per
-layer, the embedding lookup forward and the tied logits' input gradient backward)
-and the 3 small vocab-parallel statistics are at the minimum. The minimum is that
+**Transformer, gshard at the analytic minimum.** All 9 large all-reduces (4 per
+layer and the tied logits' input gradient backward), the embedding lookup's
+all-to-all and all-gather, and the 3 small vocab-parallel statistics are at the
+minimum. All-gathering the whole table for the lookup (768 KiB, no all-to-all)
+would send 192 KiB less, but holds the table whole on every device, which gshard
+does not do where the table arrives split. The minimum is that
 of the program autodiff produces: the log-softmax's backward sums its cotangent
 over the vocabulary (Σ_v, a third [B/dp, T] all-reduce over `model`), which
 Megatron-LM's hand-written backward replaces by the constant -1/N. The gathered

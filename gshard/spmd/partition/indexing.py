@@ -2,9 +2,10 @@
 
 A **gather** from a table split on its indexed dim (an embedding lookup with
 the vocabulary split): each device looks up the rows it holds, zeros
-elsewhere; the result is a pending sum over the table's split axes. A
-**scatter-add** into a split operand: each device keeps the updates that land
-in its rows. A KV cache split over its sequence dim is read
+elsewhere; the result is a pending sum over the table's split axes (where
+moving the table to a feature split first sends fewer bytes, the local plan
+does that instead: ``plan.py``). A **scatter-add** into a split operand: each
+device keeps the updates that land in its rows. A KV cache split over its sequence dim is read
 (``dynamic_slice``) by each device taking the rows it holds, zeros elsewhere:
 the slice is a pending sum over that split, resolved with one psum of the
 (small) slice. It is written (``dynamic_update_slice``) by each device keeping
