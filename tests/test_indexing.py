@@ -194,7 +194,10 @@ def test_a_table_split_like_its_tokens_moves_to_its_feature_dim():
       ("scatter-add", "operand 2"): ("all_to_all", 7 * rows_block // 8),
       ("scatter-add", "result 0"): ("all_to_all", 7 * table_block // 8),
   }, low.explain()
-  (lookup, *_) = [c for c in low.choices() if c.primitive == "gather"]
+  # one choice per equation, its operands as they arrive
+  assert sorted(c.primitive for c in low.choices()) == ["gather", "scatter-add"], low.explain()
+  (lookup,) = [c for c in low.choices() if c.primitive == "gather"]
+  assert lookup.signature.startswith("f32[64@data,16] x i32[16@data,12,1]"), lookup
   gather_table = 7 * table.nbytes // 8
   assert lookup.chosen.bytes == sum(b for (p, _), (_, b) in moves.items() if p == "gather")
   assert lookup.chosen.bytes < gather_table

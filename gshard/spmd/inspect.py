@@ -178,8 +178,9 @@ class Compiled:
 
 
 def _choice_lines(choices: list[Choice], top: int) -> list[str]:
-  """The contractions that communicate, largest first: the option chosen and
-  what each alternative would have sent (why this collective, not another)."""
+  """The contractions and lookups that communicate, largest first: the option
+  chosen and what each alternative would have sent (why this collective, not
+  another)."""
   groups: dict[tuple, list[Choice]] = collections.defaultdict(list)
   for c in choices:
     groups[(c.primitive, c.signature, c.source, c.options)].append(c)

@@ -73,10 +73,12 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """How one contraction runs, and the alternatives it was chosen among.
+  """How one contraction or table lookup runs, and the alternatives it was
+  chosen among.
 
   Attributes:
-    primitive: ``dot_general`` or ``conv_general_dilated``.
+    primitive: ``dot_general``, ``conv_general_dilated``, ``gather`` or
+      ``scatter-add``.
     source: the user's file:line.
     signature: operand and result shapes, ``f32[8,128] x f32[128,512] -> f32[8,512]``.
     options: each alternative (``label``, ``bytes`` per device, ``moves``,

@@ -166,7 +166,8 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   dn = eqn.params["dimension_numbers"]
   mode = eqn.params["mode"]
   plan = plan_local(ctx, eqn, ins, scope)
-  note_options(ctx, eqn, plan, ins)
+  note_options(ctx, eqn, plan, ins)      # as they arrive: bind_local sees them moved
+  plan = dataclasses.replace(plan, options=())
   operand = ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
   indices = ctx.reshard(ins[1], plan.operands[1], eqn, "operand 1")
   split = _index_offsets(ctx, eqn, plan, plan.rule.operands[0],
@@ -228,7 +229,8 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   del idx
   dn = eqn.params["dimension_numbers"]
   plan = plan_local(ctx, eqn, ins, scope)
-  note_options(ctx, eqn, plan, ins)
+  note_options(ctx, eqn, plan, ins)      # as they arrive: bind_local sees them moved
+  plan = dataclasses.replace(plan, options=())
   vals = [ctx.reshard(v, s, eqn, f"operand {j}") if s is not None else v
           for j, (v, s) in enumerate(zip(ins, plan.operands))]
   summed = tuple(a for f in sorted(plan.rule.reduction) for a in plan.choice.get(f, ())

@@ -29,7 +29,7 @@ from gshard.spmd.sharding import TensorSharding, fit_axes
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-  """One way to run a contraction per device, and what it sends.
+  """One way to run a contraction or a table lookup per device, and what it sends.
 
   Attributes:
     label: GShard's name for it: ``(a) compute where the operands are``,
@@ -54,8 +54,8 @@ class Option:
 
 @dataclasses.dataclass(frozen=True)
 class LocalPlan:
-  """How one equation runs per device (``options``: a contraction's
-  alternatives with their bytes, for ``explain()``)."""
+  """How one equation runs per device (``options``: a contraction's or
+  lookup's alternatives with their bytes, for ``explain()``)."""
 
   rule: FactorRule
   choice: dict[str, tuple[str, ...]]
@@ -100,11 +100,14 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
                allow_other_reduction=False) -> LocalPlan:
   """Per-factor axes for the local op, and the operand/result shardings they imply.
 
-  Two candidates: the factor axes propagation settled on for the whole
-  equation, and those its operands hold (compute where the data is, then
-  reshard the result: GShard's einsum option (a), which turns a split moving
-  from G to E in MoE dispatch into one all-to-all instead of gathering the
-  operands). The one that sends fewer bytes wins; ties go to the first.
+  Candidates: the factor axes propagation settled on for the whole
+  equation; those its operands hold (compute where the data is, then reshard
+  the result: GShard's einsum option (a), which turns a split moving from G
+  to E in MoE dispatch into one all-to-all instead of gathering the
+  operands); for a contraction, the result's (option (c)); for a lookup
+  (LOOKUPS), the operands' with a split they would lose moved to another of
+  the operand's dims (``_relocations``). The one that sends fewer bytes wins;
+  ties go to the first.
   Pure in what it reads, so it is memoised (a model's repeated layers are
   planned once).
   """
@@ -248,8 +251,8 @@ def _numpy_dtype(dtype) -> bool:
 
 def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
                  window: windowed_einsum.Window | None = None) -> None:
-  """Record a contraction's alternatives, when it had any, for ``explain()``.
-  With a ``window``, the ring is the option chosen; the plan's collective is
+  """Record a contraction's or lookup's alternatives, when it had any, for
+  ``explain()``. With a ``window``, the ring is the option chosen; the plan's collective is
   listed beside it with what it would hold."""
   options = plan.options
   if window is not None:
@@ -303,7 +306,7 @@ def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int
 
 _INFEASIBLE = 1 << 62
 # Sums over a factor two operands share, where GShard's three einsum options
-# apply (a gather's sum factor is a masked lookup: its table never moves).
+# apply (a gather's sum factor is a masked lookup; its own moves are LOOKUPS').
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 # Lookups into a table and their scatter-add gradients: where the table's split
 # conflicts with the indices', its split may move to another of its dims first.
