@@ -401,7 +401,7 @@ def write_doc(path: str, rows, runs: int, seconds: float, load: tuple[float, flo
          "logical constraints into `jax.lax.with_sharding_constraint`) with the same "
          "`in_specs`: `gshard.partition(step, mesh, in_specs=...)` against "
          "`jax.jit(step, in_shardings=...)` (XLA's GSPMD).", "",
-         f"- Measured: {datetime.date(2026, 12, 1).isoformat()}, commit {R.commit()}",
+         f"- Measured: {datetime.date.today().isoformat()}, commit {R.commit()}",
          f"- Machine: {R.machine()}. Load average (1 min) {load[0]:.1f} at the start, "
          f"{load[1]:.1f} at the end of the run (other processes shared the cores).",
          "- **Step times on simulated CPU devices are indicative only**: the 8 "

@@ -93,6 +93,18 @@ between 0.8 and 1.16. The sign flipped between runs, so a single run that misses
 the inputs are already placed, so nothing moves). This matters only for the
 millisecond-scale MLP steps.
 
+The ResNet is the exception: on some machines it is about 12% slower than GSPMD,
+reproducibly (an interleaved A/B of 150 steps each on an idle 2-core Intel host:
+35.0 against 31.2 ms). A profile of both programs (`jax.profiler`, per XLA:CPU
+thunk, summed over the 8 device threads) puts the difference in the reduce-scatters
+of the input gradients. Each scatters the channel dim, the minor one, so XLA:CPU
+first copies the [8, 16, 16, 32] partial sum into a channel-major layout
+(`wrapped_copy`: 13.6 against 3.3 ms of copies per step over the 8 threads), and its
+in-process reduce-scatter then costs more than GSPMD's all-gathers. gshard sends
+half of GSPMD's bytes. On an accelerator a reduce-scatter costs what an all-gather of
+the same bytes does, so gshard keeps the plan with fewer bytes instead of tuning it
+to simulated devices.
+
 **Memory.** Per-device memory is the same within 1%. Note that `out_specs=None`
 lets each system pick its own output layouts.
 
