@@ -531,3 +531,54 @@ def test_a_context_mesh_with_explicit_axes():
     np.testing.assert_allclose(np.asarray(step(x)), want, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(step(placed)), want, rtol=1e-6)
     assert "all-gather" not in step.lower(x).compile().as_text()
+
+
+@HYP
+@given(st.data())
+def test_an_uneven_output_leaves_the_program_in_its_even_layout(data):
+  """An output split unevenly that is not state (no PaddedArray) leaves the
+  program laid out evenly: the axes that would split a dim unevenly dropped
+  (``even_part``), resharded inside the program, and the values equal one
+  device's. XLA's own reshard of a padded output sliced back outside the
+  program crashed the process (jaxlib 0.10.2: a [6] output split over
+  ('a', 'b') of a 2x2 mesh, next to a cumsum split over 'b': a segfault in a
+  dynamic-slice fusion; fuzz seed 20261310, program 638)."""
+  shape, names = data.draw(st.sampled_from([((2, 2), ("a", "b")), ((2, 4), ("a", "b")),
+                                            ((4, 2), ("a", "b")), ((8,), ("a",))]))
+  m = mesh(shape, names)
+  sizes = dict(zip(names, shape))
+  n = data.draw(st.integers(2, 13), label="length")
+  cols = data.draw(st.sampled_from([1, 3, 4]), label="columns")
+  axes = data.draw(st.permutations(names), label="axes order")
+  k = data.draw(st.integers(1, len(names)), label="axes")
+  split = tuple(axes[:k])
+  spec = P(split if len(split) > 1 else split[0])
+  first = data.draw(st.sampled_from([None, *names]), label="input split")
+  x = np.arange(1, n * cols + 1, dtype=np.float32).reshape(n, cols) / 4
+
+  def f(x):
+    return jnp.cumsum(x, axis=0), gshard.shard(gshard.shard(x, P(first)) * 2, spec)
+
+  step = gshard.partition(f, m, in_specs=(None,))
+  got, want = step(x), jax.jit(f)(x)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  out = step.lower(x).out_shardings[1].to_spec()
+  assert out == even_part(spec, (n, cols), sizes), (out, spec)
+  assert_named_sharding(got[1], m, even_part(spec, (n, cols), sizes), "output 1")
+
+
+def test_a_padded_output_beside_a_split_cumsum_runs():
+  """Fuzz seed 20261310, program 638: before outputs left the program evenly,
+  XLA's reshard of this [6] output sliced from its padded [8] over ('a', 'b')
+  segfaulted the process."""
+  m = mesh((2, 2), ("a", "b"))
+  x = np.array([0.75, -1., -1., -2., 0.25, 1.5], np.float32)
+
+  def f(x0):
+    v1 = jnp.cumsum(x0, axis=0)
+    return v1, jnp.max(v1, axis=0), gshard.shard(gshard.shard(x0, P("b")), P(("a", "b")))
+
+  got = gshard.partition(f, m, in_specs=(None,))(x)
+  for g, w in zip(got, jax.jit(f)(x)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

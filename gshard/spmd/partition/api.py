@@ -331,8 +331,9 @@ class Partitioned:
     layout from step to step, unless an annotation on the returned value
     fixes another; any other takes its propagated sharding. A
     state output split unevenly comes back padded (:class:`PaddedArray`), so
-    it stays split; any other uneven output is sliced back to its logical
-    shape (and laid out evenly by jax)."""
+    it stays split; any other uneven output leaves the program in the even
+    layout nearest its sharding (``evenize``: the axes that would split a dim
+    unevenly dropped), resharded inside the program."""
     jaxpr = result.jaxpr.jaxpr
     in_sh = [result.sharding(v).without_partial() for v in jaxpr.invars]
     _, _, specs = flatten_specs(self.out_specs, result.out_shape, "out_specs")
@@ -347,8 +348,14 @@ class Partitioned:
         s = result.sharding(var).without_partial()
       else:
         s = TensorSharding.replicated(len(leaf.shape))
+      state = j in pairs and not s.is_even(leaf.shape, self.mesh_sizes)
+      if not state:
+        # laid out evenly inside the program: XLA's own reshard of a padded
+        # output sliced back outside it can crash (jaxlib 0.10.2: [8]@(a,b)
+        # sliced to [6] segfaults on CPU)
+        s = evenize(s, leaf.shape, self.mesh_sizes)
       out_sh.append(s)
-      padded.append(j in pairs and not s.is_even(leaf.shape, self.mesh_sizes))
+      padded.append(state)
     return in_sh, out_sh, padded
 
   # -- running --------------------------------------------------------------
