@@ -460,5 +460,7 @@ def test_an_all_to_all_of_a_padded_transposed_product_compiles(kind, extra, m, k
   x = (np.arange(m) + 1).astype(dtype)
   y = (np.arange(k) - 1).astype(dtype)
   step = gshard.partition(f, mesh)
-  assert [c.kind for c in step.lower(x, y).collectives()] == ["all_to_all"]
+  # (an output that does not divide the mesh is gathered where it leaves)
+  assert [c.kind for c in step.lower(x, y).collectives()
+          if not c.role.startswith("output")] == ["all_to_all"]
   np.testing.assert_array_equal(np.asarray(step(x, y)), np.asarray(jax.jit(f)(x, y)))

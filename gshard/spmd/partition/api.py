@@ -349,12 +349,8 @@ class Partitioned:
       else:
         s = TensorSharding.replicated(len(leaf.shape))
       state = j in pairs and not s.is_even(leaf.shape, self.mesh_sizes)
-      if not state:
-        # laid out evenly inside the program: XLA's own reshard of a padded
-        # output sliced back outside it can crash (jaxlib 0.10.2: [8]@(a,b)
-        # sliced to [6] segfaults on CPU)
-        s = evenize(s, leaf.shape, self.mesh_sizes)
-      out_sh.append(s)
+      # not state: even inside (XLA's reshard of a sliced padded output crashed)
+      out_sh.append(s if state else evenize(s, leaf.shape, self.mesh_sizes))
       padded.append(state)
     return in_sh, out_sh, padded
 
