@@ -155,6 +155,15 @@ def _index_offsets(ctx, eqn, plan, op_dims_factors, indexed_dims, op_value):
   return out
 
 
+def _lookup_plan(ctx: Context, eqn, ins, scope):
+  """The local plan of a gather or scatter, its alternatives recorded for
+  ``explain()`` with the operands as they arrive (the rule moves them before
+  ``bind_local``, which would record them again, moved)."""
+  plan = plan_local(ctx, eqn, ins, scope)
+  note_options(ctx, eqn, plan, ins)
+  return dataclasses.replace(plan, options=())
+
+
 def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """A lookup into a split table: each device looks up the rows it holds.
 
@@ -165,9 +174,7 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   del idx
   dn = eqn.params["dimension_numbers"]
   mode = eqn.params["mode"]
-  plan = plan_local(ctx, eqn, ins, scope)
-  note_options(ctx, eqn, plan, ins)      # as they arrive: bind_local sees them moved
-  plan = dataclasses.replace(plan, options=())
+  plan = _lookup_plan(ctx, eqn, ins, scope)
   operand = ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
   indices = ctx.reshard(ins[1], plan.operands[1], eqn, "operand 1")
   split = _index_offsets(ctx, eqn, plan, plan.rule.operands[0],
@@ -228,9 +235,7 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """
   del idx
   dn = eqn.params["dimension_numbers"]
-  plan = plan_local(ctx, eqn, ins, scope)
-  note_options(ctx, eqn, plan, ins)      # as they arrive: bind_local sees them moved
-  plan = dataclasses.replace(plan, options=())
+  plan = _lookup_plan(ctx, eqn, ins, scope)
   vals = [ctx.reshard(v, s, eqn, f"operand {j}") if s is not None else v
           for j, (v, s) in enumerate(zip(ins, plan.operands))]
   summed = tuple(a for f in sorted(plan.rule.reduction) for a in plan.choice.get(f, ())

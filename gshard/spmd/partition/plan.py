@@ -150,8 +150,7 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
       made[k] = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction)
   plans = [made[k] for k in keys]
   base = min(1, len(plans) - 1)          # the operands' own layout
-  if len(made) == 1 and not contraction and not (
-      lookup and _reshards(ins, outs, plans[0])):   # nothing to weigh
+  if len(made) == 1 and not (contraction or lookup):   # one candidate: nothing to weigh
     return plans[0]
   cost = {k: _plan_cost(mesh, ins, outs, p) for k, p in made.items()}
   costs = [cost[k] for k in keys]
@@ -212,33 +211,22 @@ def _relocations(rule: FactorRule, ins, plan: LocalPlan, choice, blocked, mesh):
                g: lost}
 
 
-def _reshards(ins, outs, plan: LocalPlan) -> bool:
-  """Whether ``plan`` moves an operand in or a result out."""
-  return (any(v.sharding is not None and s is not None and v.sharding != s
-              for v, s in zip(ins, plan.operands))
-          or any(o.target is not None and o.target != s for o, s in zip(outs, plan.results)))
+def _held(t, s: TensorSharding, mesh) -> int:
+  """Bytes per device of ``t`` (shape, dtype) laid out as ``s``."""
+  size = np.dtype(t.dtype).itemsize if _numpy_dtype(t.dtype) else 4
+  return math.prod(s.local_shape(t.shape, mesh)) * size
 
 
 def _footprint(mesh, ins, outs, plan: LocalPlan) -> int:
   """Bytes per device the local op holds: its operands and results."""
-  total = 0
-  for t, s in list(zip(ins, plan.operands)) + list(zip(outs, plan.results)):
-    if s is not None:
-      size = np.dtype(t.dtype).itemsize if _numpy_dtype(t.dtype) else 4
-      total += math.prod(s.local_shape(t.shape, mesh)) * size
-  return total
+  pairs = list(zip(ins, plan.operands)) + list(zip(outs, plan.results))
+  return sum(_held(t, s, mesh) for t, s in pairs if s is not None)
 
 
 def _operand_growth(mesh, ins, plan: LocalPlan) -> int:
   """Bytes per device the plan's operand reshards add to what arrives."""
-  grow = 0
-  for v, s in zip(ins, plan.operands):
-    if s is not None and v.sharding != s:
-      size = np.dtype(v.dtype).itemsize if _numpy_dtype(v.dtype) else 4
-      before = math.prod(v.sharding.local_shape(v.shape, mesh)) * size
-      after = math.prod(s.local_shape(v.shape, mesh)) * size
-      grow += max(0, after - before)
-  return grow
+  return sum(max(0, _held(v, s, mesh) - _held(v, v.sharding, mesh))
+             for v, s in zip(ins, plan.operands) if s is not None and v.sharding != s)
 
 
 def _numpy_dtype(dtype) -> bool:
