@@ -9,6 +9,7 @@ shares no code with the planner.
 import functools
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import gshard
@@ -112,9 +113,11 @@ def assemble(blocks, dst, names, shape, global_shape):
 
 
 @functools.lru_cache(maxsize=None)
-def runner(names, shape, src, dst, global_shape, reverse_sizes=False):
+def runner(names, shape, src, dst, global_shape, reverse_sizes=False, chunks_first=False):
   """jit(shard_map(reshard)); ``reverse_sizes`` hands reshard the mesh sizes
-  in reverse mesh order (plans must not depend on that order)."""
+  in reverse mesh order (plans must not depend on that order); ``chunks_first``
+  runs reduce-scatters and all-gathers on a leading dim of the chunks (the
+  form gshard emits on CPU devices)."""
   mesh = make_mesh(shape, names)
   sizes = dict(zip(names, shape))
   if reverse_sizes:
@@ -123,21 +126,22 @@ def runner(names, shape, src, dst, global_shape, reverse_sizes=False):
 
   def body(x_):
     plan = plan_reshard(src, dst, global_shape, x_.dtype, sizes)
-    return apply_plan(x_[0], plan, global_shape, sizes)[None]
+    return apply_plan(x_[0], plan, global_shape, sizes, chunks_first)[None]
 
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
                                check_vma=False))
 
 
 def check_values(src, dst, global_shape, names=("data", "model"), shape=(2, 4),
-                 seed=0, reverse_sizes=False, always_zero_padding=False):
+                 seed=0, reverse_sizes=False, always_zero_padding=False,
+                 chunks_first=False):
   """Run reshard with NaN padding (logical part exact) and zero padding
   (result padding zero too; with ``always_zero_padding`` even from NaN)."""
   rng = np.random.default_rng(seed)
   sizes = dict(zip(names, shape))
   global_shape = tuple(global_shape)
   value = rng.integers(-9, 10, global_shape).astype(np.float32)
-  run = runner(names, shape, src, dst, global_shape, reverse_sizes)
+  run = runner(names, shape, src, dst, global_shape, reverse_sizes, chunks_first)
   for pad_value in (np.nan, 0.0):
     stacked = place(value, src, names, shape, rng, pad_value)
     out = np.asarray(run(stacked))
@@ -189,14 +193,15 @@ def _id(case):
   return f"{src}->{dst}"
 
 
+@pytest.mark.parametrize("chunks_first", [False, True])
 @pytest.mark.parametrize("case", MATRIX, ids=map(_id, MATRIX))
-def test_matrix_kinds_and_values(case):
+def test_matrix_kinds_and_values(case, chunks_first):
   src, dst, kinds = case
   plan = plan_reshard(src, dst, (8, 16), np.float32, SIZES_2x4)
   assert plan.kinds == kinds, str(plan)
   assert not plan.fallback
   assert plan.bytes_per_device == sum(s.bytes_per_device for s in plan.steps)
-  check_values(src, dst, (8, 16))
+  check_values(src, dst, (8, 16), chunks_first=chunks_first)
 
 
 @pytest.mark.parametrize("case", MATRIX[:12], ids=map(_id, MATRIX[:12]))
@@ -408,11 +413,62 @@ def _check_plan(names, shape, global_shape, src, dst):
 
 
 @settings(max_examples=40, deadline=None)
-@given(problems())
-def test_random_reshard(problem):
+@given(problems(), st.booleans())
+def test_random_reshard(problem, chunks_first):
   names, shape, global_shape, src, dst = problem
   _check_plan(names, shape, global_shape, src, dst)
-  check_values(src, dst, global_shape, names, shape)
+  check_values(src, dst, global_shape, names, shape, chunks_first=chunks_first)
+
+
+def _inner(plan) -> bool:
+  return any(s.kind in ("psum_scatter", "all_gather") and s.dim > 0 for s in plan.steps)
+
+
+@settings(max_examples=25, deadline=None)
+@given(problems().filter(lambda p: _inner(plan_reshard(p[3], p[4], p[2], "float32",
+                                                       dict(zip(p[0], p[1]))))),
+       st.integers(0, 2**31 - 1))
+def test_chunks_first_gives_the_same_floats(problem, seed):
+  """A reduce-scatter or all-gather onto an inner dim, on its chunks' leading
+  dim (gshard's form on CPU devices) or as is: the same blocks, bit for bit,
+  for floats whose partial sums round (each element is summed over the same
+  devices in the same order either way)."""
+  names, shape, global_shape, src, dst = problem
+  rng = np.random.default_rng(seed)
+  sizes = dict(zip(names, shape))
+  stacked = rng.standard_normal((math.prod(shape), *src.local_shape(global_shape, sizes)),
+                                dtype=np.float32)
+  a, b = (np.asarray(runner(names, shape, src, dst, global_shape, False, c)(stacked))
+          for c in (False, True))
+  np.testing.assert_array_equal(a, b)
+
+
+def test_chunks_first_runs_on_a_leading_dim_on_cpu_devices_only():
+  """On a mesh of CPU devices the program's reduce-scatter and all-gather of an
+  inner dim run on a leading dim; lowered for an AbstractMesh they stay as
+  they are. The values are jax.jit's."""
+  def f(x, w):
+    y = gshard.shard(x @ w, P(None, "model"))        # partial over model: scatter dim 1
+    return gshard.shard(y * 2.0, P(None, None))      # gather dim 1
+  rng = np.random.default_rng(0)
+  x = rng.integers(-4, 5, (8, 16)).astype(np.float32)
+  w = rng.integers(-4, 5, (16, 32)).astype(np.float32)
+  specs = (P(None, "model"), P("model", None))
+
+  def dims(text, op, attr):
+    return [int(m) for line in text.splitlines() if f"stablehlo.{op}" in line
+            for m in re.findall(attr + r" = (\d+)", line)]
+  m = make_mesh((2, 4), ("data", "model"))
+  step = gshard.partition(f, m, in_specs=specs)
+  text = step.lower(x, w).as_text()
+  assert dims(text, "reduce_scatter", "scatter_dimension") == [0]
+  assert dims(text, "all_gather", "all_gather_dim") == [0]
+  np.testing.assert_array_equal(np.asarray(step(x, w)), np.asarray(jax.jit(f)(x, w)))
+  am = AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w)]
+  text = gshard.partition(f, am, in_specs=specs).lower(*structs, platform="cpu").as_text()
+  assert dims(text, "reduce_scatter", "scatter_dimension") == [1]
+  assert dims(text, "all_gather", "all_gather_dim") == [1]
 
 
 @settings(max_examples=30, deadline=None)

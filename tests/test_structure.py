@@ -135,8 +135,10 @@ def test_gpt_hlo_activation_reductions_are_the_analytic_minimum():
   assert sorted((c.kind, c.axes) for c in moves) == [("all-gather", ("model",)),
                                                      ("all-to-all", ("model",))], moves
   assert sum(c.nbytes for c in moves if c.kind == "all-to-all") == vocab // MODEL * d_model * 4
-  assert [c.shapes for c in moves if c.kind == "all-gather"] == [   # its output
-      (("f32", (batch // DATA, seq, d_model)),)]
+  # its output: [batch, seq, d_model], gathered on a leading dim of the
+  # feature blocks (gshard's form on CPU devices) and moved into place after
+  assert [c.shapes for c in moves if c.kind == "all-gather"] == [
+      (("f32", (MODEL, batch // DATA, seq, d_model // MODEL)),)]
   cols = [c for c in cols if c.kind == "all-reduce"]
   arrays = _arrays_by_axes(cols)
   act = ("f32", (batch // DATA, seq, 64))

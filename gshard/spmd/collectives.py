@@ -23,11 +23,13 @@ from gshard.spmd.sharding import Axes, MeshSizes
 
 
 def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
-               mesh_sizes: MeshSizes):
+               mesh_sizes: MeshSizes, chunks_first: bool = False):
   """Run ``plan`` on this device's block; call inside ``jax.shard_map``.
 
   Args:
     x_local: ``plan.src.local_shape(global_shape, mesh_sizes)``.
+    chunks_first: reduce-scatter a dim that is not the leading one by first
+      bringing each device's chunk together (see ``_apply_psum_scatter``).
   Returns:
     this device's block under ``plan.dst``, of
     ``plan.dst.local_shape(global_shape, mesh_sizes)``.
@@ -43,10 +45,22 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
     return jnp.zeros(plan.dst.local_shape(global_shape, mesh_sizes), dtype)
   order = mesh_axis_order(mesh_sizes)
   for step in plan.steps:
-    x_local = _APPLY[step.kind](x_local, step, global_shape, mesh_sizes, order)
+    if step.kind in ("psum_scatter", "all_gather"):
+      x_local = _LEADING[step.kind](x_local, step, global_shape, mesh_sizes, order,
+                                    chunks_first)
+    else:
+      x_local = _APPLY[step.kind](x_local, step, global_shape, mesh_sizes, order)
   assert tuple(x_local.shape) == plan.dst.local_shape(global_shape, mesh_sizes)
   assert x_local.dtype == dtype, (plan, dtype, x_local.dtype)
   return x_local
+
+
+def chunks_first(mesh) -> bool:
+  """Whether a reduce-scatter onto an inner dim brings each device's chunk
+  together before it (``_apply_psum_scatter``): on XLA:CPU devices, where that
+  was measured to help. An ``AbstractMesh`` (a program lowered for another
+  machine) and other platforms keep the plain reduce-scatter."""
+  return isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "cpu"
 
 
 def mesh_axis_order(mesh_sizes: MeshSizes) -> Axes:
@@ -96,8 +110,15 @@ def _apply_pad(x, step, global_shape, sizes, order):
   return lax.pad(x, np.zeros((), x.dtype), config)
 
 
-def _apply_all_gather(x, step, global_shape, sizes, order):
-  return lax.all_gather(x, axis_name(step.axes), axis=step.dim, tiled=True)
+def _apply_all_gather(x, step, global_shape, sizes, order, chunks_first=False):
+  """An all-gather onto ``step.dim``. ``chunks_first``: when a dim before it is
+  longer than 1, the blocks are gathered along a new leading dim and then moved
+  into place (a copy of block-long runs; see ``_apply_psum_scatter``)."""
+  name, d = axis_name(step.axes), step.dim
+  if not chunks_first or all(n == 1 for n in x.shape[:d]):
+    return lax.all_gather(x, name, axis=d, tiled=True)
+  y = jnp.moveaxis(lax.all_gather(x, name, axis=0, tiled=False), 0, d)
+  return y.reshape(x.shape[:d] + (y.shape[d] * x.shape[d],) + x.shape[d + 1:])
 
 
 def _apply_all_to_all(x, step, global_shape, sizes, order):
@@ -120,12 +141,25 @@ def _apply_psum(x, step, global_shape, sizes, order):
   return lax.psum(x, axis_name(step.axes))
 
 
-def _apply_psum_scatter(x, step, global_shape, sizes, order):
+def _apply_psum_scatter(x, step, global_shape, sizes, order, chunks_first=False):
+  """A reduce-scatter onto ``step.dim``. ``chunks_first``: when a dim before it
+  is longer than 1, the chunks the devices receive are first made contiguous
+  (``[.., n*c, ..] -> [n, .., c, ..]``, a copy of ``c``-long runs) and the scatter
+  runs on that leading dim. XLA:CPU otherwise copies its operand to a layout
+  with ``step.dim`` major-most: a full transpose, element by element when the
+  dim is the minor one (a channel dim), which took longer than the
+  reduce-scatter itself. The same values either way."""
   if x.dtype == np.bool_:
     raise ValueError("gshard internal error: a reshard plan scatters a bool pending sum "
                      "(plans psum bools, then slice)")
-  return lax.psum_scatter(x, axis_name(step.axes), scatter_dimension=step.dim,
-                          tiled=True)
+  name, d = axis_name(step.axes), step.dim
+  if not chunks_first or all(n == 1 for n in x.shape[:d]):
+    return lax.psum_scatter(x, name, scatter_dimension=d, tiled=True)
+  n = shard_count(step.axes, sizes)
+  c = x.shape[d] // n
+  y = jnp.moveaxis(x.reshape(x.shape[:d] + (n, c) + x.shape[d + 1:]), d, 0)
+  y = lax.psum_scatter(y, name, scatter_dimension=0, tiled=True)
+  return y.reshape(x.shape[:d] + (c,) + x.shape[d + 1:])
 
 
 def _apply_ppermute(x, step, global_shape, sizes, order):
@@ -162,6 +196,6 @@ def renumbering(old: Axes, new: Axes, sizes: MeshSizes) -> list[int]:
 
 
 _APPLY = {"slice": _apply_slice, "pad": _apply_pad,
-          "all_gather": _apply_all_gather, "all_to_all": _apply_all_to_all,
-          "psum": _apply_psum, "psum_scatter": _apply_psum_scatter,
+          "all_to_all": _apply_all_to_all, "psum": _apply_psum,
           "ppermute": _apply_ppermute}
+_LEADING = {"psum_scatter": _apply_psum_scatter, "all_gather": _apply_all_gather}

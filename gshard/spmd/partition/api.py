@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import AbstractMesh, NamedSharding
 
-from gshard.spmd import _gc
+from gshard.spmd import _gc, collectives
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
@@ -306,7 +306,7 @@ class Partitioned:
     pairs = pair_state(logical_args, result.out_shape)
     in_sh, out_sh, padded_out = self._boundary(result, out_leaves, pairs)
     ctx = Context(result.graph, self.mesh_sizes, Recorder(), self.strict, run_jaxpr,
-                  self.windowed_einsum)
+                  self.windowed_einsum, collectives.chunks_first(self.mesh))
     shard_fn = jax.shard_map(_body(ctx, result, in_sh, out_sh, avals, out_leaves),
                              mesh=self.mesh,
                              in_specs=tuple(s.to_spec() for s in in_sh),

@@ -137,13 +137,14 @@ class Context:
 
   def __init__(self, graph: Graph, mesh_sizes: Mapping[str, int], recorder: Recorder,
                strict: bool, interpreter: Callable[..., list],
-               windowed_einsum: float | None = None):
+               windowed_einsum: float | None = None, chunks_first: bool = False):
     self.graph = graph
     self._interpreter = interpreter
     self.mesh_sizes = dict(mesh_sizes)
     self.recorder = recorder
     self.strict = strict
     self.windowed_einsum = windowed_einsum
+    self.chunks_first = chunks_first   # reduce-scatters made contiguous first (XLA:CPU)
     self.repeat = 1          # trip count of the loops being traced (bytes scale)
     self.enclosing: list = []   # call equations whose inner jaxpr is running
     # (id of a local array, src, dst) -> [(trace, the array, its resharded Value)]
@@ -222,7 +223,7 @@ class Context:
           role,
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
           else str(v.dtype), src_name, bool(plan.fallback)))
-    x = collectives.apply_plan(v.x, plan, v.shape, self.mesh_sizes)
+    x = collectives.apply_plan(v.x, plan, v.shape, self.mesh_sizes, self.chunks_first)
     return Value(x, dst, v.shape, v.dtype)
 
   def once(self, key: tuple, x, make: Callable[[], Any]) -> Any:
