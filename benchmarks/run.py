@@ -382,10 +382,10 @@ def table(rows: list[tuple[Case, Result, Result, float]]) -> str:
       else:
         over = (f"{sum(r.overhead.values()):.2f} (jax trace {r.overhead['trace']:.2f}, "
                 f"lower {r.overhead['lower']:.2f})")
-      ratio = r.bytes_sent / mn if mn else float("nan")
+      ratio = f"{r.bytes_sent / mn:.4f}x" if mn else "none stated"
       lo, hi = r.step_iqr_ms
       lines.append(f"| {case.name} | {r.system} | {fmt_bytes(r.bytes_sent)} | "
-                   f"{ratio:.4f}x | {r.step_ms:.2f} ({lo:.2f}-{hi:.2f}) | "
+                   f"{ratio} | {r.step_ms:.2f} ({lo:.2f}-{hi:.2f}) | "
                    f"{fmt_bytes(r.memory)} | {over} | "
                    f"{r.compile_s:.2f} |")
   return "\n".join(lines)
