@@ -28,8 +28,8 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
 
   Args:
     x_local: ``plan.src.local_shape(global_shape, mesh_sizes)``.
-    chunks_first: reduce-scatter a dim that is not the leading one by first
-      bringing each device's chunk together (see ``_apply_psum_scatter``).
+    chunks_first: reduce-scatter or all-gather a dim that is not the leading
+      one on a leading dim of the chunks (see ``_apply_psum_scatter``).
   Returns:
     this device's block under ``plan.dst``, of
     ``plan.dst.local_shape(global_shape, mesh_sizes)``.
@@ -56,10 +56,10 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
 
 
 def chunks_first(mesh) -> bool:
-  """Whether a reduce-scatter onto an inner dim brings each device's chunk
-  together before it (``_apply_psum_scatter``): on XLA:CPU devices, where that
+  """Whether a reduce-scatter or all-gather onto an inner dim runs on a leading
+  dim of the chunks (``_apply_psum_scatter``): on XLA:CPU devices, where that
   was measured to help. An ``AbstractMesh`` (a program lowered for another
-  machine) and other platforms keep the plain reduce-scatter."""
+  machine) and other platforms keep the plain collective."""
   return isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "cpu"
 
 

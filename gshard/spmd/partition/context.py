@@ -144,7 +144,7 @@ class Context:
     self.recorder = recorder
     self.strict = strict
     self.windowed_einsum = windowed_einsum
-    self.chunks_first = chunks_first   # reduce-scatters made contiguous first (XLA:CPU)
+    self.chunks_first = chunks_first   # collectives on a leading dim (XLA:CPU)
     self.repeat = 1          # trip count of the loops being traced (bytes scale)
     self.enclosing: list = []   # call equations whose inner jaxpr is running
     # (id of a local array, src, dst) -> [(trace, the array, its resharded Value)]
