@@ -36,9 +36,10 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import factor_rule_of, note_options, reduction_identity
+from gshard.spmd.partition.generic import reduction_identity
 from gshard.spmd.partition.halo import (Halo, blocked_reason, check_shape, dilate, halo_plan,
                                         haloed, plan_with_halos, role_with)
+from gshard.spmd.partition.plan import factor_rule_of, note_options
 
 
 # -- convolution ---------------------------------------------------------------

@@ -24,13 +24,11 @@ from jax import lax
 from gshard.spmd import registry
 from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.plan import (CONTRACTIONS, LocalPlan, Option, factor_rule_of,
-                                        note_options, plan_local)
+from gshard.spmd.partition.plan import LocalPlan, factor_rule_of, note_options, plan_local
 from gshard.spmd.sharding import TensorSharding
 
-__all__ = ["CONTRACTIONS", "LocalPlan", "Option", "bind_local", "factor_rule_of",
-           "generic_rule", "identity_rule", "local_params", "mask_padding", "note_options",
-           "plan_local", "reduction_identity", "safe_rule"]
+__all__ = ["bind_local", "generic_rule", "identity_rule", "local_params", "mask_padding",
+           "reduction_identity", "safe_rule"]
 
 
 def local_params(eqn, out_local_shapes, in_local_shapes) -> dict:

@@ -32,7 +32,7 @@ from jax import lax
 
 from gshard.spmd import collectives
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import plan_local
+from gshard.spmd.partition.plan import plan_local
 
 
 # -- the geometry of one split dim ---------------------------------------------

@@ -23,7 +23,8 @@ from jax import lax
 from jax.lax import GatherScatterMode
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import bind_local, factor_rule_of, note_options, plan_local
+from gshard.spmd.partition.generic import bind_local
+from gshard.spmd.partition.plan import factor_rule_of, note_options, plan_local
 from gshard.spmd.sharding import TensorSharding
 
 

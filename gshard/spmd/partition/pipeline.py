@@ -31,8 +31,8 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import plan_local
 from gshard.spmd.partition.halo import permute
+from gshard.spmd.partition.plan import plan_local
 from gshard.spmd.sharding import TensorSharding
 
 

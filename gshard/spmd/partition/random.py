@@ -42,7 +42,8 @@ from jax import lax
 from jax.extend.random import threefry2x32_p, threefry_prng_impl
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import bind_local, plan_local
+from gshard.spmd.partition.generic import bind_local
+from gshard.spmd.partition.plan import plan_local
 from gshard.spmd.sharding import TensorSharding
 
 _U32 = np.dtype("uint32")

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import (bind_local, factor_rule_of, mask_padding,
-                                           plan_local, safe_rule)
+from gshard.spmd.partition.generic import bind_local, mask_padding, safe_rule
+from gshard.spmd.partition.plan import factor_rule_of, plan_local
 from gshard.spmd.reshard import allreduce_bytes
 
 # Cross-device combine for split non-sum reductions.

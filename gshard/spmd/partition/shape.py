@@ -17,9 +17,10 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import LocalPlan, bind_local, generic_rule, plan_local
+from gshard.spmd.partition.generic import bind_local, generic_rule
 from gshard.spmd.partition.halo import (blocked_reason, check_shape, dilate, halo_plan,
                                         haloed, permute)
+from gshard.spmd.partition.plan import LocalPlan, plan_local
 from gshard.spmd.sharding import TensorSharding
 
 

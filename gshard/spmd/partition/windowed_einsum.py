@@ -4,7 +4,7 @@ reduce-scatter its result) runs as a ring of ``ppermute`` steps instead.
 GShard §3.3.2 option (c) as a loop; XLA calls it windowed einsum or
 collective matmul. Opt-in: ``gshard.partition(..., windowed_einsum=bytes)``.
 
-**Gather** (``kind="gather"``). The local plan (``generic.plan_local``)
+**Gather** (``kind="gather"``). The local plan (``plan.plan_local``)
 gathers operand ``j`` over mesh axes ``A`` (``n`` devices) on one dim ``d``,
 whose factor ``f`` the plan leaves split only over the axes before ``A`` (the
 prefix). Device ``a`` of the ring holds block ``a`` of ``n`` of the prefix
