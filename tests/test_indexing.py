@@ -18,6 +18,7 @@ in gshard's own record (``lowered.collectives()``) and in XLA's optimized HLO
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -30,6 +31,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gshard
+from gshard.spmd.partition import plan as plan_module
 from helpers_numerics import check_steps
 from helpers_partition import assert_named_sharding, assert_trees_close, hlo_collectives, mesh
 
@@ -206,6 +208,45 @@ def test_a_table_split_like_its_tokens_moves_to_its_feature_dim():
   assert "contractions and lookups:" in low.explain()
 
 
+@pytest.mark.parametrize("summed", [False, True], ids=["rows", "summed"])
+def test_a_lookup_whose_sum_passes_on_is_weighed_where_it_is_resolved(summed):
+  """Flax's ``nn.Embed`` looks up inside a jit: the pending sum of a lookup
+  from a vocab-split table passes out of the jit and is resolved after it.
+  Weighed by that psum (an all-reduce of the looked-up rows), moving the
+  table to a feature split first (an all-to-all of its block) and gathering
+  the rows sends less: that plan runs. Summed over the features first, the
+  sum is resolved on [B, T] only, which is cheaper than any move: the
+  masked lookup runs."""
+  m = mesh(*M24)
+  rng = np.random.default_rng(0)
+  table = _small_ints(rng, (64, 32), np.float32)
+  tokens = rng.integers(0, 64, (8, 16)).astype(np.int32)
+  embed = jax.jit(lambda t, k: jnp.take(t, k, axis=0))
+  fn = (lambda t, k: jnp.tanh(embed(t, k).sum(-1))) if summed else (
+      lambda t, k: jnp.tanh(embed(t, k)))
+  step = gshard.partition(fn, m, in_specs=(P("model"), P("data")))
+  np.testing.assert_array_equal(np.asarray(step(table, tokens)),
+                                np.asarray(jax.jit(fn)(table, tokens)))
+  low = step.lower(table, tokens)
+  (lookup,) = low.choices()
+  rows_block = 4 * 16 * 32 * 4                      # f32[8@data,16,32] per device
+  masked = [o for o in lookup.options if o.label.startswith("(b)")]
+  moved = [o for o in lookup.options if o.moves[:1] == (("operand 0", "all_to_all[model]"),)]
+  assert len(masked) == 1 and len(moved) == 1, low.explain()
+  if summed:
+    assert masked[0].chosen and masked[0].bytes == 2 * 3 * (4 * 16 * 4) // 4, low.explain()
+    assert {c.kind for c in low.collectives()} == {"psum"}, low.explain()
+    return
+  # the masked lookup's psum of the rows, listed where it is resolved
+  assert masked[0].moves == (("result 0", "psum[model] downstream"),), low.explain()
+  assert masked[0].bytes == 2 * 3 * rows_block // 4
+  assert moved[0].chosen and moved[0].bytes < masked[0].bytes, low.explain()
+  sent = {(c.kind, c.role): c.bytes for c in low.collectives()}
+  assert sent == {("all_to_all", "operand 0"): 3 * (16 * 32 * 4) // 4,
+                  ("all_gather", "result 0"): 3 * rows_block // 4}, low.explain()
+  assert moved[0].bytes == low.total_bytes()
+
+
 @settings(max_examples=12, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
@@ -226,15 +267,23 @@ def test_a_lookup_whose_table_may_move_equals_one_device(data):
   batch = data.draw(st.sampled_from([8, 16]), label="batch")
   seq = data.draw(st.integers(1, 6), label="seq")
   dtype = data.draw(st.sampled_from([np.float32, jnp.bfloat16, np.int32]), label="dtype")
+  # what reads the rows: the square resolves the lookup's pending sum where it
+  # is produced; through a jit (flax's nn.Embed) or a sum over the features
+  # the sum passes on and is resolved downstream (smaller, after the sum)
+  look = data.draw(st.sampled_from(["square", "jit", "sum"]), label="consumer")
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
   table = _small_ints(rng, (vocab, feat), dtype)
   tokens = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
   specs = (P(t_axis), P(k_axis))
+  rows = {"square": lambda t, k: t[k], "jit": jax.jit(lambda t, k: t[k]),
+          "sum": lambda t, k: t[k].sum(-1)}[look]
   if dtype == np.float32:
-    w = _small_ints(rng, (batch, seq, feat), dtype, -2, 3)
-    fn = jax.value_and_grad(lambda t, k: jnp.sum(w * t[k] ** 2))
+    w = _small_ints(rng, (batch, seq, feat)[:3 - (look == "sum")], dtype, -2, 3)
+    fn = jax.value_and_grad(lambda t, k: jnp.sum(w * rows(t, k) ** 2))
   else:
-    fn = lambda t, k: t[k] * t[k]        # noqa: E731 (the square resolves the lookup)
+    def fn(t, k):
+      r = rows(t, k)     # one lookup (two would share the table's moves)
+      return r * r       # the square resolves the lookup
   step = gshard.partition(fn, m, in_specs=specs)
   got, want = gshard.unpad(step(table, tokens)), jax.jit(fn)(table, tokens)
   for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -246,6 +295,24 @@ def test_a_lookup_whose_table_may_move_equals_one_device(data):
   for choice in low.choices():
     assert choice.chosen.bytes == min(o.bytes for o in choice.options
                                        if o.chosen or not o.memory), choice
+  # and weighing a pending sum by what it costs downstream never makes the
+  # whole program send more than keeping the sum pending would
+  with _lookups_keep_their_split():
+    kept = gshard.partition(fn, m, in_specs=specs).lower(table, tokens)
+  assert low.total_bytes() <= kept.total_bytes(), (low.explain(), kept.explain())
+
+
+@contextlib.contextmanager
+def _lookups_keep_their_split():
+  """Plans with no lookup moving its table's split first (the comparison)."""
+  relocations = plan_module._relocations
+  plan_module._relocations = lambda *args: iter(())
+  plan_module._plan_memo.cache_clear()
+  try:
+    yield
+  finally:
+    plan_module._relocations = relocations
+    plan_module._plan_memo.cache_clear()
 
 
 # -- cross-entropy over a split vocabulary --------------------------------------------

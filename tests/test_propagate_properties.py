@@ -29,7 +29,7 @@ from gshard.annotate import annotate_p
 from gshard.spmd import infer
 from gshard.spmd import propagate as engine
 from gshard.spmd.graph import sub_jaxprs
-from gshard.spmd.partials import accepts
+from gshard.spmd.partials import accepts, mark_partials
 from gshard.spmd.sharding import is_refinement
 
 DIMS = (1, 2, 3, 4, 6, 8)
@@ -365,7 +365,7 @@ def _reference_propagate(graph):
             if t.sharding != old:
               dirty.update(j for j in touching[id(t)] if j != i)
       sweeps += 1
-  for t, axes in engine.mark_partials(graph).items():
+  for t, axes in mark_partials(graph).items():
     t.sharding = t.sharding.with_partial(axes)
   for t, sharding in engine.sum_before_scatter(graph).items():
     t.sharding = sharding

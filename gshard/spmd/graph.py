@@ -101,6 +101,9 @@ class Graph:
     self.tensors: dict[tuple[Scope, Any], Tensor] = {}
     self.bounds: list[Bound] = []
     self.unsupported: list[tuple[str, str]] = []
+    # per pending lookup result, the bytes its sum costs downstream (propagation
+    # fills it: partials.settle)
+    self.released: dict[Tensor, float] = {}
     self.top = jaxpr
     self._walk(jaxpr, ())
 

@@ -272,6 +272,20 @@ def _settle(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
 
 def mark_partials(graph: Graph, max_trials: int = MAX_TRIALS) -> dict[Tensor, frozenset[str]]:
   """The pending partial-sum axes of every value an equation produces."""
+  return settle(graph, max_trials)[0]
+
+
+# Lookups whose pending sum the partitioner may avoid by moving the table's
+# split first (plan.LOOKUPS): what their sum costs downstream is weighed there.
+_LOOKUPS = frozenset({"gather", "scatter-add", "scatter-sub"})
+
+
+def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
+  """:func:`mark_partials`, and per pending lookup result (a gather from a
+  table split on the looked-up dim, its scatter-add gradient) the bytes its
+  pending sum costs where it is finally resolved: the drop in the program's
+  psum bytes were the lookup's result complete (its downstream psums, less
+  any it shares with other pending sums, which stay)."""
   mesh = graph.mesh_sizes
   index = _Index(graph)
   resolved = {graph.tensor((), v) for v in graph.top.outvars} - {None}
@@ -319,7 +333,16 @@ def mark_partials(graph: Graph, max_trials: int = MAX_TRIALS) -> dict[Tensor, fr
     rnd = _settle(graph, trial, reduced, index, best, {t})
     if rnd.total <= best.total:
       resolved, best = trial, rnd
-  return best.pending
+  released = {}
+  for k, b in enumerate(graph.bounds):
+    t = b.results[0] if b.results else None
+    if b.eqn.primitive.name not in _LOOKUPS or t is None or not best.pending.get(t):
+      continue
+    # resolved where it is produced, less that psum itself: complete for free
+    rnd = _settle(graph, set(resolved) | {t}, reduced, index, best, {t})
+    own = sum(c for u, _, c, _ in rnd.contrib[k] if u is t)
+    released[t] = max(0.0, best.total - (rnd.total - own))
+  return best.pending, released
 
 
 # -- sums before a reduce-scatter ----------------------------------------------------

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from gshard.spmd import factors
 from gshard.spmd.graph import Bound, Graph, Tensor, source_of
-from gshard.spmd.partials import mark_partials, sum_before_scatter
+from gshard.spmd.partials import settle, sum_before_scatter
 from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, short_dtype
 
 MAX_SWEEPS = 200
@@ -212,7 +212,8 @@ def propagate(graph: Graph) -> int:
                   queued.add(j)
       sweeps += 1
     start = unsettled
-  for t, axes in mark_partials(graph).items():
+  pending, graph.released = settle(graph)
+  for t, axes in pending.items():
     t.sharding = t.sharding.with_partial(axes)
   for t, sharding in sum_before_scatter(graph).items():
     t.sharding = sharding

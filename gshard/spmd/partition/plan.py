@@ -89,11 +89,14 @@ class _In:
 
 @dataclasses.dataclass(frozen=True)
 class _Out:
-  """A result as the local plan reads it: its propagated target (None if dropped)."""
+  """A result as the local plan reads it: its propagated target (None if
+  dropped); for a lookup's result left a pending sum, what that sum costs
+  where propagation resolves it (``release``, bytes per device)."""
 
   target: TensorSharding | None
   shape: tuple[int, ...]
   dtype: object
+  release: float = 0.0
 
 
 def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(),
@@ -118,11 +121,13 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   marks = rule.linear in factors.READS_LITERALS
   in_ = tuple(_In(None if v.literal else v.sharding, tuple(v.shape), v.dtype,
                   factors.literal_mark(v.x) if marks and v.literal else None) for v in ins)
+  lookup = eqn.primitive.name in LOOKUPS
   out = tuple(_Out(None if type(var).__name__ == "DropVar" else ctx.target(scope, var),
-                   tuple(var.aval.shape), var.aval.dtype) for var in eqn.outvars)
+                   tuple(var.aval.shape), var.aval.dtype,
+                   g.released.get(g.tensor(scope, var), 0.0) if lookup else 0.0)
+              for var in eqn.outvars)
   key = (rule, in_, operands, results, out, frozenset(blocked), bool(allow_other_reduction),
-         eqn.primitive.name in CONTRACTIONS, eqn.primitive.name in LOOKUPS,
-         tuple(ctx.mesh_sizes.items()))
+         eqn.primitive.name in CONTRACTIONS, lookup, tuple(ctx.mesh_sizes.items()))
   try:
     hash(key)
   except TypeError:          # a dtype jax cannot hash: plan it anew
@@ -274,8 +279,13 @@ def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int
   moves = []
   pairs = [(f"operand {j}", v.sharding, s, v) for j, (v, s) in enumerate(zip(ins, plan.operands))
            if s is not None and v.sharding != s]
-  pairs += [(f"result {j}", s, o.target, o) for j, (o, s) in enumerate(zip(outs, plan.results))
-            if o.target is not None and o.target != s]
+  for j, (o, s) in enumerate(zip(outs, plan.results)):
+    if o.target is not None:
+      dst, later = _result_target(o, s)
+      if dst != s:
+        pairs.append((f"result {j}", s, dst, o))
+      if later:
+        moves.append((f"result {j}", f"psum[{','.join(sorted(s.partial))}] downstream"))
   for role, src, dst, t in pairs:
     try:
       steps = reshard.plan_reshard(src, dst, t.shape, t.dtype, mesh).collectives
@@ -301,19 +311,36 @@ CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 LOOKUPS = frozenset({"gather", "scatter-add", "scatter-sub"})
 
 
+def _result_target(o: _Out, s: TensorSharding) -> tuple[TensorSharding, float]:
+  """Where result ``s`` goes (its target), and the bytes its pending sum costs
+  downstream when the plan leaves it pending. A lookup whose sum propagation
+  left pending (``o.release``) may instead give a complete value: the target
+  less the axes it does not sum over (a reshard never creates a pending sum;
+  the consumers get the value complete and send nothing for it)."""
+  if not o.release:
+    return o.target, 0.0
+  later = o.release if s.partial & o.target.partial else 0.0
+  return o.target.with_partial(o.target.partial & s.partial), later
+
+
 def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
-  """Bytes per device to reshard operands into ``plan`` and results out of it."""
+  """Bytes per device to reshard operands into ``plan`` and results out of it
+  (and a lookup's pending sum where it is resolved downstream)."""
   total = 0
   for v, s in zip(ins, plan.operands):
     if s is not None and v.sharding != s:
       total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype, mesh).bytes_per_device
   for o, s in zip(outs, plan.results):
-    if o.target is not None and o.target != s:
+    if o.target is None:
+      continue
+    dst, later = _result_target(o, s)
+    total += later
+    if dst != s:
       try:
-        total += reshard.plan_reshard(s, o.target, o.shape, o.dtype, mesh).bytes_per_device
+        total += reshard.plan_reshard(s, dst, o.shape, o.dtype, mesh).bytes_per_device
       except ValueError:   # would need to create a partial sum: not a candidate
         return _INFEASIBLE
-  return total
+  return int(total)
 
 
 def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reduction) -> LocalPlan:
