@@ -277,12 +277,17 @@ def mark_partials(graph: Graph, max_trials: int = MAX_TRIALS) -> dict[Tensor, fr
 
 # Lookups whose pending sum the partitioner may avoid by moving the table's
 # split first (plan.LOOKUPS): what their sum costs downstream is weighed there.
-_LOOKUPS = frozenset({"gather", "scatter-add", "scatter-sub"})
+# A gather only: a scatter-add's pending sum is a table gradient's, the one
+# all-reduce data parallelism runs for every gradient. Moving it instead (the
+# indices gathered, the cotangent all-to-all'd, the gradient all-gathered)
+# sends fewer bytes but runs three collectives for one: on the data-parallel
+# LM of docs/benchmarks-client.md it stepped 7-9% slower than the all-reduce.
+_LOOKUPS = frozenset({"gather"})
 
 
 def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   """:func:`mark_partials`, and per pending lookup result (a gather from a
-  table split on the looked-up dim, its scatter-add gradient) the bytes its
+  table split on the looked-up dim) the bytes its
   pending sum costs where it is finally resolved: the drop in the program's
   psum bytes were the lookup's result complete (its downstream psums, less
   any it shares with other pending sums, which stay)."""
