@@ -30,6 +30,7 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import AbstractMesh, NamedSharding
 
 from gshard.spmd import _gc, collectives
+from gshard.spmd.hoist import gather_early
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
@@ -305,6 +306,7 @@ class Partitioned:
     out_leaves, out_tree = jax.tree_util.tree_flatten(result.out_shape)
     pairs = pair_state(logical_args, result.out_shape)
     in_sh, out_sh, padded_out = self._boundary(result, out_leaves, pairs)
+    gather_early(result.graph, out_sh)
     ctx = Context(result.graph, self.mesh_sizes, Recorder(), self.strict, run_jaxpr,
                   self.windowed_einsum, collectives.chunks_first(self.mesh))
     shard_fn = jax.shard_map(_body(ctx, result, in_sh, out_sh, avals, out_leaves),

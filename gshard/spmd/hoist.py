@@ -1,0 +1,152 @@
+"""Gathering once before an elementwise tail instead of at each of its outputs.
+
+Propagation keeps a value split as far as it can, and the program's boundary
+then gathers every output whose layout is less split (the next value of a
+replicated input: optimizer state). When several such outputs come from one
+split value through elementwise ops only (SGD with momentum: the momentum and
+the parameter, both from a gradient split like the activations it was
+contracted from), each output is gathered; gathering the value once where
+the tail begins and running the tail in the outputs' layout sends less::
+
+    g f32[32@model,10] -> m' = 0.9 m + g -> out m'        gather   (960 B)
+                                  `-> w' = w - 0.1 m' -> out w'   gather   (960 B)
+    becomes
+    g -> gather (960 B) -> m' -> out m'
+                             `-> w' -> out w'
+
+:func:`gather_early` finds those tails (regions of elementwise equations of
+the top-level program whose values only feed each other or leave as such
+outputs), weighs the reshards into each region's equations against the
+outputs' reshards (``reshard.plan_reshard`` bytes), and lays the region out
+as its outputs where that sends less. The tail's values are then held (and
+computed) as the outputs are, which the outputs hold anyway.
+"""
+
+from __future__ import annotations
+
+from gshard.spmd import reshard
+from gshard.spmd.graph import Bound, Graph, Tensor, sub_jaxprs
+from gshard.spmd.sharding import TensorSharding
+
+
+def _elementwise(b: Bound) -> bool:
+  """One result, every operand dim the result's (or a scalar): nothing is
+  reduced, blocked or moved between dims."""
+  r = b.rule
+  return (len(r.results) == 1 and b.results[0] is not None and not b.scope
+          and not sub_jaxprs(b.eqn.params)
+          and not (r.reduction or r.other_reduction or r.blocked)
+          and all(o == r.results[0] or o == () for o in r.operands))
+
+
+def _coarser(src: TensorSharding, dst: TensorSharding) -> bool:
+  """Whether ``dst`` splits each dim over a leading part of ``src``'s axes
+  (reaching ``src`` from ``dst`` is a local slice)."""
+  return (len(src.dims) == len(dst.dims) and src != dst and not (src.partial or dst.partial)
+          and all(s[:len(d)] == d for s, d in zip(src.dims, dst.dims)))
+
+
+def _bytes(src: TensorSharding, dst: TensorSharding, t: Tensor, mesh) -> int:
+  if src == dst:
+    return 0
+  return reshard.plan_reshard(src, dst, t.shape, t.dtype, mesh).bytes_per_device
+
+
+def gather_early(graph: Graph, outs: list[TensorSharding]) -> int:
+  """Lay out elementwise tails as their outputs where gathering on entry
+  sends less than gathering where the tail ends (``outs``: each top-level
+  output's layout at the boundary). Changes the tensors' shardings in
+  ``graph``; returns how many tensors moved."""
+  mesh = graph.mesh_sizes
+  producer: dict[Tensor, Bound] = {}
+  readers: dict[Tensor, list[Bound]] = {}
+  per_eqn: dict[int, int] = {}
+  for b in graph.bounds:
+    per_eqn[id(b.eqn)] = per_eqn.get(id(b.eqn), 0) + 1
+    for t in b.results:
+      if t is not None:
+        producer[t] = b
+    for t in b.operands:
+      if t is not None:
+        readers.setdefault(t, []).append(b)
+  # where a split value is gathered now: an output laid out coarser at the
+  # boundary, an elementwise equation whose result is coarser than an operand
+  ends: dict[tuple, dict[Tensor, int]] = {}
+  leaving: dict[Tensor, list[TensorSharding]] = {}
+  for var, dst in zip(graph.top.outvars, outs):
+    t = graph.tensor((), var)
+    if t is not None:
+      leaving.setdefault(t, []).append(dst)
+    if t is not None and not t.sharding.partial and _coarser(t.sharding, dst):
+      ends.setdefault((t.sharding, dst, t.shape), {}).setdefault(t, 0)
+  for b in graph.bounds:
+    if not _elementwise(b) or per_eqn[id(b.eqn)] != 1:
+      continue
+    dst = b.results[0].sharding
+    for o in b.operands:
+      if (o is not None and o.shape == b.results[0].shape and not o.sharding.partial
+          and _coarser(o.sharding, dst)):
+        n = ends.setdefault((o.sharding, dst, o.shape), {})
+        n[o] = n.get(o, 0) + 1
+  moved = 0
+  for (src, dst, shape), gathered in ends.items():
+    moved += _settle_region(gathered, src, dst, shape, producer, readers, per_eqn,
+                            leaving, mesh)
+  return moved
+
+
+def _settle_region(gathered, src, dst, shape, producer, readers, per_eqn, leaving,
+                   mesh) -> int:
+  """Lay out the elementwise region that ends where ``gathered`` (tensor ->
+  how many times it is gathered from ``src`` to ``dst`` inside the program)
+  as ``dst``, when the region's inputs and outputs (``leaving``: tensor ->
+  its layouts at the boundary) cost fewer bytes that way."""
+  def inside(t: Tensor, region) -> bool:
+    # every reader computes a value of the region or one laid out as dst
+    return all(_elementwise(r) and per_eqn[id(r.eqn)] == 1
+               and (r.results[0] in region or r.results[0].sharding == dst)
+               for r in readers.get(t, ()))
+
+  def eligible(t: Tensor) -> bool:
+    b = producer.get(t)
+    return (b is not None and not b.scope and per_eqn[id(b.eqn)] == 1
+            and not sub_jaxprs(b.eqn.params) and t.shape == shape and t.sharding == src
+            and not t.fixed)
+
+  def grows(t: Tensor) -> bool:     # computed elementwise: what it reads may join
+    return _elementwise(producer[t])
+
+  # the region, and its frontier: values computed otherwise (a contraction's
+  # result, say) that only the region reads; each is resharded once, where
+  # it is produced
+  region = {t for t in gathered if eligible(t)}
+  grew = True
+  while grew:
+    grew = False
+    for t in [t for t in region if grows(t)]:
+      for o in producer[t].operands:
+        if o is not None and o not in region and eligible(o) and inside(o, region | {o}):
+          region.add(o)
+          grew = True
+  while (out := {t for t in region if not inside(t, region)}):
+    region -= out     # read elsewhere: stays as it is, and so does what it reads
+  now = sum(n * _bytes(src, dst, t, mesh) for t, n in gathered.items() if t in region)
+  after = 0
+  for t in region:
+    for out in leaving.get(t, ()):   # an output: its reshard at the boundary
+      after += _bytes(dst, out, t, mesh) - _bytes(src, out, t, mesh)
+    if not grows(t):
+      after += _bytes(src, dst, t, mesh)
+      continue
+    for o in producer[t].operands:
+      if o is None or o in region or not o.shape:
+        continue
+      if o.sharding.partial or o.shape != shape:
+        return 0
+      # what arrives to the operand now costs its move into src instead
+      after += _bytes(o.sharding, dst, o, mesh) - _bytes(o.sharding, src, o, mesh)
+  if after >= now:
+    return 0
+  for t in region:
+    t.sharding = dst
+  return len(region)
