@@ -130,21 +130,30 @@ def _settle_region(gathered, src, dst, shape, producer, readers, per_eqn, leavin
           grew = True
   while (out := {t for t in region if not inside(t, region)}):
     region -= out     # read elsewhere: stays as it is, and so does what it reads
-  now = sum(n * _bytes(src, dst, t, mesh) for t, n in gathered.items() if t in region)
-  after = 0
+  # Bytes now, a lower bound: each value of the region gathered once per
+  # layout (the partitioner reuses a reshard), a gather an equation reads at
+  # no less than its own result's. Bytes after, an upper bound: a frontier
+  # value resharded once; an equation with an operand from outside that dst
+  # does not hold at most gathers its result (run as now, then gathered).
+  now = after = 0
   for t in region:
-    for out in leaving.get(t, ()):   # an output: its reshard at the boundary
-      after += _bytes(dst, out, t, mesh) - _bytes(src, out, t, mesh)
+    leaves = set(leaving.get(t, ())) - {src}
+    for lay in leaves - {dst}:
+      now += _bytes(src, lay, t, mesh)
+      after += _bytes(dst, lay, t, mesh)
+    if dst in leaves or gathered.get(t):
+      sinks = [r.results[0] for r in readers.get(t, ()) if r.results[0] not in region]
+      now += min(_bytes(src, dst, u, mesh) for u in [t] * (dst in leaves or not sinks)
+                 + sinks)
     if not grows(t):
       after += _bytes(src, dst, t, mesh)
       continue
-    for o in producer[t].operands:
-      if o is None or o in region or not o.shape:
-        continue
-      if o.sharding.partial or o.shape != shape:
-        return 0
-      # what arrives to the operand now costs its move into src instead
-      after += _bytes(o.sharding, dst, o, mesh) - _bytes(o.sharding, src, o, mesh)
+    outside = [o for o in producer[t].operands if o is not None and o not in region
+               and o.shape]
+    if any(o.sharding.partial or o.shape != shape for o in outside):
+      return 0
+    if any(_bytes(o.sharding, dst, o, mesh) for o in outside):
+      after += _bytes(src, dst, t, mesh)
   if after >= now:
     return 0
   for t in region:
