@@ -247,6 +247,43 @@ def test_a_lookup_whose_sum_passes_on_is_weighed_where_it_is_resolved(summed):
   assert moved[0].bytes == low.total_bytes()
 
 
+@pytest.mark.parametrize("other", ["contraction", "lookup"])
+def test_a_lookup_sharing_its_downstream_sum_is_not_credited_with_anothers(other):
+  """A lookup's pending rows are added to another pending sum (a contraction
+  split on its contracted dim, or a lookup from a large table, which stays
+  masked) that has a psum of its own elsewhere. Were the rows complete, that
+  other sum would be resolved at the add instead, but the partitioner keeps
+  it pending there and pays both psums either way: the move saves nothing
+  and is not run. Values are jax.jit's; bytes no more than with no move."""
+  m = mesh(*M24)
+  rng = np.random.default_rng(3)
+  table = _small_ints(rng, (64, 32), np.float32)
+  big = _small_ints(rng, (4096, 32), np.float32)
+  tokens = rng.integers(0, 64, (8, 16)).astype(np.int32)
+  x, w = _small_ints(rng, (8, 16, 24), np.float32), _small_ints(rng, (24, 32), np.float32)
+  embed = jax.jit(lambda t, k: jnp.take(t, k, axis=0))
+  relu = lambda v: jnp.maximum(v, 0.0)
+  if other == "contraction":
+    def fn(t, k, x, w):
+      v = x @ w
+      return relu(embed(t, k) + v), relu(v * 2.0)
+    args, specs = (table, tokens, x, w), (P("model"), P("data"), P("data", None, "model"),
+                                          P("model"))
+  else:
+    def fn(t, k, b):
+      v = embed(b, k)
+      return relu(embed(t, k) + v), relu(v * 2.0)
+    args, specs = (table, tokens, big), (P("model"), P("data"), P("model"))
+  step = gshard.partition(fn, m, in_specs=specs)
+  for a, b in zip(step(*args), jax.jit(fn)(*args)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  low = step.lower(*args)
+  with _lookups_keep_their_split():
+    kept = gshard.partition(fn, m, in_specs=specs).lower(*args)
+  assert low.total_bytes() <= kept.total_bytes(), (low.explain(), kept.explain())
+  assert {c.kind for c in low.collectives()} == {"psum"}, low.explain()
+
+
 def test_a_data_parallel_table_gradient_stays_one_all_reduce():
   """Data parallel: the table is replicated, the tokens split over data, and
   the table's gradient (a scatter-add of the cotangent) a pending sum over

@@ -290,7 +290,8 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   table split on the looked-up dim) the bytes its
   pending sum costs where it is finally resolved: the drop in the program's
   psum bytes were the lookup's result complete (its downstream psums, less
-  any it shares with other pending sums, which stay)."""
+  any it shares with other pending sums, which stay). None where making it
+  complete would change how another value is resolved."""
   mesh = graph.mesh_sizes
   index = _Index(graph)
   resolved = {graph.tensor((), v) for v in graph.top.outvars} - {None}
@@ -343,8 +344,15 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
     t = b.results[0] if b.results else None
     if b.eqn.primitive.name not in _LOOKUPS or t is None or not best.pending.get(t):
       continue
-    # resolved where it is produced, less that psum itself: complete for free
-    rnd = _settle(graph, set(resolved) | {t}, reduced, index, best, {t})
+    # resolved where it is produced, less that psum itself: complete for free.
+    # Counted only when nothing else changes: a pending value that met t's
+    # (an add of two pending sums) would now be resolved where it is
+    # produced, a saving the partitioner does not make (it follows the
+    # propagated targets), so none is credited to t.
+    trial = set(resolved) | {t}
+    rnd = _settle(graph, trial, reduced, index, best, {t})
+    if trial != set(resolved) | {t}:
+      continue
     own = sum(c for u, _, c, _ in rnd.contrib[k] if u is t)
     released[t] = max(0.0, best.total - (rnd.total - own))
   return best.pending, released

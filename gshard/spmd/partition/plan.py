@@ -279,13 +279,15 @@ def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int
   moves = []
   pairs = [(f"operand {j}", v.sharding, s, v) for j, (v, s) in enumerate(zip(ins, plan.operands))
            if s is not None and v.sharding != s]
+  kept = []
   for j, (o, s) in enumerate(zip(outs, plan.results)):
     if o.target is not None:
       dst, later = _result_target(o, s)
       if dst != s:
         pairs.append((f"result {j}", s, dst, o))
       if later:
-        moves.append((f"result {j}", f"psum[{','.join(sorted(s.partial))}] downstream"))
+        axes = ",".join(sorted(s.partial & o.target.partial))
+        kept.append((f"result {j}", f"psum[{axes}] downstream"))
   for role, src, dst, t in pairs:
     try:
       steps = reshard.plan_reshard(src, dst, t.shape, t.dtype, mesh).collectives
@@ -293,6 +295,7 @@ def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int
       continue
     if steps:
       moves.append((role, " + ".join(f"{x.kind}[{','.join(x.axes)}]" for x in steps)))
+  moves += kept
   if any(plan.choice.get(f) for f in plan.rule.reduction):
     label = "(b) contract the split dim, partial sum"
   elif any(role.startswith("operand") for role, _ in moves):
@@ -319,7 +322,10 @@ def _result_target(o: _Out, s: TensorSharding) -> tuple[TensorSharding, float]:
   the consumers get the value complete and send nothing for it)."""
   if not o.release:
     return o.target, 0.0
-  later = o.release if s.partial & o.target.partial else 0.0
+  # the sum propagation weighed (over all the target's pending axes); a plan
+  # leaving fewer of them pending is charged nothing for them (less than
+  # they cost, never more: the move is not favoured by a guess)
+  later = o.release if o.target.partial <= s.partial else 0.0
   return o.target.with_partial(o.target.partial & s.partial), later
 
 
