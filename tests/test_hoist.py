@@ -94,12 +94,36 @@ def test_adam_state_of_a_split_gradient_gathers_it_once():
   assert low.total_bytes() < before.total_bytes()
 
 
+def test_a_sink_reading_several_values_of_the_tail_is_one_gather_now():
+  """A clamp whose result leaves replicated (``out_specs``) reads three
+  values computed split from two contractions. Without the pass, the clamp
+  runs split and its one result is gathered; moving the tail would gather
+  both contractions' results instead: more bytes, so it stays."""
+  m = mesh((2, 4), ("data", "model"))
+  rng = np.random.default_rng(2)
+  x, k1, k2 = _ints(rng, (16, 32)), _ints(rng, (16, 10)), _ints(rng, (16, 10))
+
+  def fn(x, k1, k2):
+    g1, g2 = x.T @ k1, x.T @ k2
+    return jax.lax.clamp(g1 * 2.0, g2, g1 * 3.0)
+
+  kw = dict(in_specs=(P("data", "model"), P("data"), P("data")), out_specs=P())
+  step = gshard.partition(fn, m, **kw)
+  np.testing.assert_array_equal(np.asarray(step(x, k1, k2)),
+                                np.asarray(jax.jit(fn)(x, k1, k2)))
+  low = step.lower(x, k1, k2)
+  with _gathered_where_it_ends():
+    before = gshard.partition(fn, m, **kw).lower(x, k1, k2)
+  assert low.total_bytes() == before.total_bytes(), (low.explain(), before.explain())
+
+
 _OPS = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
     "max": jnp.maximum,
     "where": lambda a, b: jnp.where(a > b, a, b * 2),
+    "clamp": lambda a, b: jax.lax.clamp(a * 2, b, a * 3),
 }
 
 
@@ -155,11 +179,14 @@ def test_an_elementwise_tail_equals_one_device_and_sends_no_more(data):
   spec = [None, None]
   spec[dim] = axes if len(axes) > 1 else axes[0]
   specs = (P(),) * n_state + (P(*spec),)
-  part = gshard.partition(step, m, in_specs=specs)
+  # the outputs leave as the next values of the replicated states, or
+  # replicated by out_specs (then no annotation pins the tail's values)
+  kw = dict(in_specs=specs, out_specs=data.draw(st.sampled_from([None, P()]), label="out"))
+  part = gshard.partition(step, m, **kw)
   got, want = part(*states, vals), jax.jit(step)(*states, vals)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   low = part.lower(*states, vals)
   with _gathered_where_it_ends():
-    before = gshard.partition(step, m, in_specs=specs).lower(*states, vals)
+    before = gshard.partition(step, m, **kw).lower(*states, vals)
   assert low.total_bytes() <= before.total_bytes(), (low.explain(), before.explain())

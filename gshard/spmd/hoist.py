@@ -130,21 +130,48 @@ def _settle_region(gathered, src, dst, shape, producer, readers, per_eqn, leavin
           grew = True
   while (out := {t for t in region if not inside(t, region)}):
     region -= out     # read elsewhere: stays as it is, and so does what it reads
-  # Bytes now, a lower bound: each value of the region gathered once per
-  # layout (the partitioner reuses a reshard), a gather an equation reads at
-  # no less than its own result's. Bytes after, an upper bound: a frontier
-  # value resharded once; an equation with an operand from outside that dst
-  # does not hold at most gathers its result (run as now, then gathered).
+  # Bytes now, a lower bound. The gathers at the region's ends fall into
+  # groups: values of the region and the equations outside it that read
+  # them (a "sink", its result laid out as dst), linked by those reads. A
+  # group is served by gathering its values (once each: the partitioner
+  # reuses a reshard) or its sinks' results, so it sends at least its
+  # cheapest such gather, and a value that leaves the program as dst its
+  # own. Bytes after, an upper bound: a frontier value resharded once; an
+  # equation with an operand from outside that dst does not hold at most
+  # gathers its result (run as now, then gathered).
   now = after = 0
+  group = {t: t for t in region}
+
+  def root(t):
+    while group[t] is not t:
+      t = group[t]
+    return t
+
+  floor: dict[Tensor, int] = {}    # per group root: its cheapest gather
+  need: dict[Tensor, int] = {}     # per group root: what must be gathered as is
+  sinks: dict[int, tuple[Bound, list[Tensor]]] = {}
   for t in region:
     leaves = set(leaving.get(t, ())) - {src}
     for lay in leaves - {dst}:
       now += _bytes(src, lay, t, mesh)
       after += _bytes(dst, lay, t, mesh)
-    if dst in leaves or gathered.get(t):
-      sinks = [r.results[0] for r in readers.get(t, ()) if r.results[0] not in region]
-      now += min(_bytes(src, dst, u, mesh) for u in [t] * (dst in leaves or not sinks)
-                 + sinks)
+    for r in readers.get(t, ()):
+      if r.results[0] not in region:
+        sinks.setdefault(id(r), (r, []))[1].append(t)
+  for r, ts in sinks.values():
+    for t in ts[1:]:
+      group[root(t)] = root(ts[0])
+  for t in region:
+    if gathered.get(t) or dst in leaving.get(t, ()):
+      k = root(t)
+      floor[k] = min(floor.get(k, _bytes(src, dst, t, mesh)), _bytes(src, dst, t, mesh))
+      if dst in leaving.get(t, ()):
+        need[k] = max(need.get(k, 0), _bytes(src, dst, t, mesh))
+  for r, ts in sinks.values():
+    k = root(ts[0])
+    floor[k] = min(floor[k], _bytes(src, dst, r.results[0], mesh))
+  now += sum(max(f, need.get(k, 0)) for k, f in floor.items())
+  for t in region:
     if not grows(t):
       after += _bytes(src, dst, t, mesh)
       continue
