@@ -267,61 +267,68 @@ def test_donate_argnums_runs_and_donates():
 
 # -- the safe path ------------------------------------------------------------
 
-def _fft_program(x):
+def _pair_max(a, b):
+  return jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])
+
+
+def _reduce_program(x):
   y = gshard.split(x, 1, "model")
-  z = lax.fft(y.astype(jnp.complex64), lax.FftType.FFT, (16,))   # no rule for fft
-  return jnp.abs(z) + y
+  z = lax.reduce((y, -y), (-jnp.inf, jnp.inf), _pair_max, (1,))[0]   # no rule for reduce
+  return z[:, None] + y
 
 
 def test_missing_rule_warns_with_primitive_and_source_line():
-  assert sharding_rule("fft") is None, \
-      "fft got a rule: pick another primitive without one for this test"
+  assert sharding_rule("reduce") is None, \
+      "reduce got a rule: pick another primitive without one for this test"
   m = mesh((2, 4), ("data", "model"))
   x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
-  line = line_of(_fft_program, "lax.fft(")
-  step = gshard.partition(_fft_program, m, in_specs=(P("data", "model"),))
+  line = line_of(_reduce_program, "lax.reduce(")
+  step = gshard.partition(_reduce_program, m, in_specs=(P("data", "model"),))
   with pytest.warns(gshard.PartitionWarning,
-                    match=rf"no partition rule for fft .*{THIS_FILE}:{line}:"):
+                    match=rf"no partition rule for reduce .*{THIS_FILE}:{line}:"):
     out = step(x)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(_fft_program)(x)),
-                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_reduce_program)(x)))
   low = step.lower(x)
-  assert [p for p, _ in low.fallbacks] == ["fft"]
+  assert [p for p, _ in low.fallbacks] == ["reduce"]
   assert f"{THIS_FILE}:{line}:" in low.fallbacks[0][1]
   report = low.explain()
-  assert "safe path" in report and f"fft at {low.fallbacks[0][1]}" in report
-  # the safe path gathers fft's operand over the axis it is split on, model
-  assert [(c.kind, c.axes, c.role, c.fallback) for c in low.collectives()
-          if c.primitive == "fft"] == [("all_gather", ("model",), "operand 0", True)]
+  assert "safe path" in report and f"reduce at {low.fallbacks[0][1]}" in report
+  # the safe path gathers both operands over the axis they are split on, model
+  moved = [(c.kind, c.role, c.fallback) for c in low.collectives()
+           if c.primitive == "reduce"]
+  assert sorted(moved) == [("all_gather", "operand 0", True), ("all_gather", "operand 1", True)]
+  assert all("model" in c.axes for c in low.collectives() if c.primitive == "reduce")
 
 
 def test_missing_rule_strict_raises_with_the_same_message():
   m = mesh((2, 4), ("data", "model"))
   x = np.ones((8, 16), np.float32)
-  line = line_of(_fft_program, "lax.fft(")
-  step = gshard.partition(_fft_program, m, in_specs=(P("data", "model"),), strict=True)
+  line = line_of(_reduce_program, "lax.reduce(")
+  step = gshard.partition(_reduce_program, m, in_specs=(P("data", "model"),), strict=True)
   with warnings.catch_warnings():
     warnings.simplefilter("error", gshard.PartitionWarning)   # raise, not warn
-    with pytest.raises(NotImplementedError, match=rf"no partition rule for fft "
+    with pytest.raises(NotImplementedError, match=rf"no partition rule for reduce "
                        rf".*{THIS_FILE}:{line}:.*strict=True"):
       step(x)
 
 
-def _library_fft(x):
-  return jnp.fft.fft(gshard.split(x, 1, "model"), axis=1).real   # fft inside jax's jit
+def _library_solve(a):
+  # custom_linear_solve, inside jax's jit
+  return jnp.linalg.solve(gshard.split(a, 0, "model") + 8 * jnp.eye(8), jnp.ones((8, 3)))
 
 
 def test_missing_rule_inside_a_library_call_names_the_users_line():
-  """jnp.fft.fft binds fft inside its own jit, whose equations carry no user
-  frame: the warning names the user's call instead of an empty location."""
+  """jnp.linalg.solve binds custom_linear_solve inside its own jit, whose
+  equations carry no user frame: the warning names the user's call instead
+  of an empty location."""
   m = mesh((2, 4), ("data", "model"))
-  x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
-  line = line_of(_library_fft, "jnp.fft.fft(")
-  step = gshard.partition(_library_fft, m, in_specs=(P("data", "model"),))
-  with pytest.warns(gshard.PartitionWarning, match=rf"fft .*at .*{THIS_FILE}:{line}:"):
-    out = step(x)
-  np.testing.assert_allclose(np.asarray(out), np.fft.fft(x, axis=1).real, rtol=1e-4,
-                             atol=1e-4)
+  a = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
+  line = line_of(_library_solve, "jnp.linalg.solve(")
+  step = gshard.partition(_library_solve, m, in_specs=(P("data", "model"),))
+  with pytest.warns(gshard.PartitionWarning,
+                    match=rf"custom_linear_solve .*at .*{THIS_FILE}:{line}:"):
+    out = step(a)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_library_solve)(a)))
 
 
 # -- primitives that need more than the local op ------------------------------

@@ -7,5 +7,6 @@ submodules directly (``gshard.spmd.sharding``, ``gshard.spmd.infer``); the
 public names are re-exported by ``gshard``.
 """
 
-from gshard.spmd.rules import (annotation, control, conv, dot, elementwise,  # noqa: F401
-                               indexing, pipeline, random, reduce, shape)  # (registers them)
+from gshard.spmd.rules import (annotation, callback, control, conv, dot,  # noqa: F401
+                               elementwise, indexing, linalg, pipeline, random,
+                               reduce, shape)  # (registers them)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -137,13 +138,14 @@ def mask_padding(ctx: Context, eqn, plan: LocalPlan, xs: list) -> list:
 
 
 def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
-               window: windowed_einsum.Window | None = None) -> list[Value]:
+               window: windowed_einsum.Window | None = None,
+               bind: Callable | None = None) -> list[Value]:
   """Reshard ``ins`` to ``plan``'s operands, mask padding, bind the primitive on
   local values with local shape params; the results' values (shapes checked).
 
   With a ``window`` (``windowed_einsum.choose``) the gather of its operand, or
   the reduce-scatter of the result, is a ring of ppermutes around the local op
-  instead."""
+  instead. ``bind`` replaces ``eqn.primitive.bind`` (same arguments)."""
   note_options(ctx, eqn, plan, ins, window)
   xs = []
   for j, (v, s) in enumerate(zip(ins, plan.operands)):
@@ -165,7 +167,7 @@ def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
   if window is not None:
     outs = windowed_einsum.run(ctx, eqn, window, plan, ins, xs, params)
   else:
-    outs = eqn.primitive.bind(*xs, **params)
+    outs = (bind or eqn.primitive.bind)(*xs, **params)
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
   for o, want, s in zip(outs, out_local, results):
     if tuple(np.shape(o)) != tuple(want):

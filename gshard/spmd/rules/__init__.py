@@ -2,7 +2,8 @@
 
 This package's ``__init__`` exports the rule types only. The family modules
 (``elementwise``, ``dot``, ``reduce``, ``shape``, ``indexing``, ``conv``,
-``control``, ``random``, ``annotation``, ``pipeline``) register their primitives in
+``control``, ``random``, ``annotation``, ``pipeline``, ``linalg``, ``callback``)
+register their primitives in
 :mod:`gshard.spmd.registry` when imported; ``gshard.spmd`` imports them all.
 """
 

@@ -126,3 +126,13 @@ register("scan", scan_rule, partition=partition.scan_rule)
 register("while", while_rule, partition=partition.while_rule)
 register("cond", cond_rule, partition=partition.cond_rule)
 register("shard_map", shard_map_rule, partition=partition.shard_map_rule)
+
+
+def platform_index_rule(in_avals, out_avals, **params) -> FactorRule:
+  """``platform_index`` (``lax.platform_dependent``'s branch index): no operand,
+  a replicated scalar that picks a ``cond`` branch."""
+  del in_avals, params
+  return factor_rule("->" + ",".join("" for _ in out_avals), [], [()] * len(out_avals))
+
+
+register("platform_index", platform_index_rule)
