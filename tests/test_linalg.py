@@ -60,13 +60,18 @@ OPS = {
                                                             a.shape[-1]),
                "lu_pivots_to_permutation", False, False),
     "tridiagonal_solve": (_tridiag, "tridiagonal_solve", False, False),
+    # custom_linear_solve: its solve jaxpr (lu_solve: triangular solves) inline
+    "solve": (lambda a: jnp.linalg.solve(a + 4 * jnp.eye(a.shape[-1]), a[..., :1] * 2),
+              "custom_linear_solve", True, False),
+    "inv": (lambda a: jnp.linalg.inv(a + 4 * jnp.eye(a.shape[-1])), "custom_linear_solve",
+            True, False),
     "fft": (lambda a: jnp.fft.fft(a), "fft", True, False),
     "rfft2": (lambda a: jnp.fft.rfft2(a), "fft", True, False),
     "irfft": (lambda a: jnp.fft.irfft(a), "fft", True, False),
 }
 
 
-_LINALG = {op[1] for op in OPS.values()}
+_LINALG = {op[1] for op in OPS.values()} | {"lu", "triangular_solve"}
 
 
 def _prims(fn, *args) -> set[str]:

@@ -312,23 +312,24 @@ def test_missing_rule_strict_raises_with_the_same_message():
       step(x)
 
 
-def _library_solve(a):
-  # custom_linear_solve, inside jax's jit
-  return jnp.linalg.solve(gshard.split(a, 0, "model") + 8 * jnp.eye(8), jnp.ones((8, 3)))
+def _library_schur(a):
+  # schur (no rule), inside jax's jit
+  return jax.scipy.linalg.schur(gshard.split(a, 0, "model"))[0]
 
 
 def test_missing_rule_inside_a_library_call_names_the_users_line():
-  """jnp.linalg.solve binds custom_linear_solve inside its own jit, whose
-  equations carry no user frame: the warning names the user's call instead
-  of an empty location."""
+  """jax.scipy.linalg.schur binds schur inside its own jit, whose equations
+  carry no user frame: the warning names the user's call instead of an empty
+  location."""
+  assert sharding_rule("schur") is None, \
+      "schur got a rule: pick another primitive without one for this test"
   m = mesh((2, 4), ("data", "model"))
   a = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
-  line = line_of(_library_solve, "jnp.linalg.solve(")
-  step = gshard.partition(_library_solve, m, in_specs=(P("data", "model"),))
-  with pytest.warns(gshard.PartitionWarning,
-                    match=rf"custom_linear_solve .*at .*{THIS_FILE}:{line}:"):
+  line = line_of(_library_schur, "jax.scipy.linalg.schur(")
+  step = gshard.partition(_library_schur, m, in_specs=(P("data", "model"),))
+  with pytest.warns(gshard.PartitionWarning, match=rf"schur .*at .*{THIS_FILE}:{line}:"):
     out = step(a)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_library_solve)(a)))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_library_schur)(a)))
 
 
 # -- primitives that need more than the local op ------------------------------

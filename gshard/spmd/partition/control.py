@@ -151,6 +151,15 @@ def call_rule(ctx: Context, eqn, ins, scope, idx, *, param: str) -> list[Value]:
     return ctx.run_jaxpr(jaxpr, scope + ((idx, (param,)),), consts, ins)
 
 
+def linear_solve_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``custom_linear_solve``: its ``solve`` jaxpr interpreted inline on that
+  jaxpr's consts and ``b``, as jax evaluates and lowers the primitive."""
+  lengths, solve = eqn.params["const_lengths"], eqn.params["jaxprs"].solve
+  first = lengths.matvec + lengths.vecmat
+  args = ins[first:first + lengths.solve] + ins[sum(lengths):]
+  return ctx.run_jaxpr(solve.jaxpr, scope + ((idx, ("jaxprs", 2)),), solve.consts, args)
+
+
 def checkpoint_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``jax.checkpoint``: the per-device program keeps the rematerialisation."""
   inner = eqn.params["jaxpr"]

@@ -128,6 +128,23 @@ register("cond", cond_rule, partition=partition.cond_rule)
 register("shard_map", shard_map_rule, partition=partition.shard_map_rule)
 
 
+def linear_solve_rule(in_avals, out_avals, *, const_lengths, jaxprs) -> OpRule:
+  """``custom_linear_solve`` (``jnp.linalg.solve``, ``inv``, ``lax.custom_linear_solve``)
+  computes its ``solve`` jaxpr on that jaxpr's consts and ``b`` (the other
+  jaxprs serve differentiation, which jax has done before gshard sees it):
+  those operands are linked to the jaxpr's invars, its outvars to the results."""
+  del jaxprs
+  path = ("jaxprs", 2)
+  first = const_lengths.matvec + const_lengths.vecmat
+  n_consts = sum(const_lengths)
+  ops = list(range(first, first + const_lengths.solve)) + list(range(n_consts, len(in_avals)))
+  cons = [_link(IN(k), SUB_IN(path, i), in_avals[k].shape, linear="none")
+          for i, k in enumerate(ops)]
+  cons += [_link(SUB_OUT(path, j), OUT(j), a.shape, linear="none")
+           for j, a in enumerate(out_avals)]
+  return OpRule(tuple(cons))
+
+
 def platform_index_rule(in_avals, out_avals, **params) -> FactorRule:
   """``platform_index`` (``lax.platform_dependent``'s branch index): no operand,
   a replicated scalar that picks a ``cond`` branch."""
@@ -136,3 +153,4 @@ def platform_index_rule(in_avals, out_avals, **params) -> FactorRule:
 
 
 register("platform_index", platform_index_rule)
+register("custom_linear_solve", linear_solve_rule, partition=partition.linear_solve_rule)
