@@ -347,3 +347,33 @@ def test_platform_dependent_and_searchsorted_partition_without_warnings():
   with warnings.catch_warnings():
     warnings.simplefilter("error", gshard.PartitionWarning)
     _equal(gshard.partition(step, m, in_specs=(P("data", "model"),))(x), jax.jit(step)(x))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_tile_equals_one_device_bit_for_bit(data):
+  """``jnp.tile`` (the ``tile`` primitive): random shapes (zero-size and size-1
+  dims included), repetitions, input layouts and out_specs; value and gradient
+  equal jax.jit's exactly, and nothing takes the safe path."""
+  m = mesh(*M24)
+  shape = tuple(data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=3), label="shape"))
+  reps = tuple(data.draw(st.lists(st.integers(1, 4), min_size=len(shape),
+                                  max_size=len(shape)), label="reps"))
+  entries = [()] * len(shape)
+  for axis in ("data", "model"):      # each mesh axis on one dim, or none
+    d = data.draw(st.sampled_from([None, *range(len(shape))]), label=f"{axis} on")
+    if d is not None:
+      entries[d] = entries[d] + (axis,)
+  spec = P(*[None if not e else e[0] if len(e) == 1 else e for e in entries])
+  out = data.draw(st.sampled_from([None, P("data"), P(None, "model") if len(shape) > 1
+                                   else P("model")]), label="out")
+  x = np.arange(max(1, np.prod(shape)), dtype=np.float32)[:np.prod(shape)].reshape(shape)
+
+  def f(v):
+    return jnp.tile(v * 2 - 3, reps)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gshard.PartitionWarning)
+    _equal(gshard.partition(f, m, in_specs=(spec,), out_specs=out)(x), jax.jit(f)(x))
+    grad = jax.grad(lambda v: jnp.sum(f(v) * jnp.cos(f(v))))
+    _equal(gshard.partition(grad, m, in_specs=(spec,))(x), jax.jit(grad)(x))

@@ -207,6 +207,8 @@ GOLDEN = [
      [S((8, 16, 32), f32)], "fft",
      "abc->ade blocked={bcde}", {"a": 8, "b": 16, "c": 32, "d": 16, "e": 17}),
     ("le_to", lambda x: lax.le_to_p.bind(x, x), [S((8, 16), f32)], "le_to", "ab,ab->ab", None),
+    ("tile", lambda x: jnp.tile(x, (2, 1)), [S((4, 8), f32)], "tile", "ab->(ca)b linear=unary",
+     {"a": 4, "b": 8, "c": 2}),
     # gather / scatter
     ("embedding lookup", lambda e, t: e[t], [S((128, 64), f32), S((8, 16), i32)], "gather",
      "ed,abc->abd sum={e} blocked={c}", {"a": 8, "b": 16, "c": 1, "d": 64, "e": 128}),

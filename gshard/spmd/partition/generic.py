@@ -72,6 +72,12 @@ def _gather_params(params, outs, ins, eqn):
   return params
 
 
+def _tile_params(params, outs, ins, eqn):
+  params["reps"] = tuple(o // max(i, 1) if i else r
+                         for o, i, r in zip(outs[0], ins[0], params["reps"]))
+  return params
+
+
 _LOCAL_PARAMS = {
     "broadcast_in_dim": _shape_param("shape"),
     "reshape": _shape_param("new_sizes"),
@@ -79,6 +85,7 @@ _LOCAL_PARAMS = {
     "slice": _slice_params,
     "dynamic_slice": _dynamic_slice_params,
     "gather": _gather_params,
+    "tile": _tile_params,
 }
 
 

@@ -230,6 +230,20 @@ def unstack_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
   return new.rule([dims], [[(g,) for g in shared]] * len(outs), linear="unary")
 
 
+def tile_rule(in_avals, out_avals, *, reps, **params) -> FactorRule:
+  """``jnp.tile(f32[4,8], (2, 1))`` is ``ab->(Ca)b linear=unary``: a repeated
+  dim is its copies (major, ``C``) of the operand's dim. Splitting the copies
+  leaves each device fewer of them; the operand's dim itself can split the
+  result only when it is not repeated (a split minor factor would not be one
+  contiguous block)."""
+  del params
+  (op,), _ = shapes(in_avals), shapes(out_avals)
+  new = Factors()
+  dims = [new(n) for n in op]
+  res = [(new(r), f) if r != 1 else (f,) for f, r in zip(dims, reps)]
+  return new.rule([[(f,) for f in dims]], [res], linear="unary")
+
+
 def iota_rule(in_avals, out_avals, **params) -> FactorRule:
   """No operands: the result's factors are free for its consumers to choose."""
   del params
@@ -250,5 +264,6 @@ register("split", split_rule)
 register("stack", stack_rule)
 register("unstack", unstack_rule)
 register("iota", iota_rule, partition=partition.iota_rule)
+register("tile", tile_rule)
 # jax's uninitialised scalar (cond/scan residual placeholders in a VJP): no operands.
 register("empty2", iota_rule)
