@@ -167,3 +167,28 @@ def collectives(hlo_text: str, num_devices: int) -> list[HloCollective]:
 def bytes_sent(hlo_text: str, num_devices: int) -> float:
   """Total bytes one device sends over all collectives of the module."""
   return sum(c.bytes_sent for c in collectives(hlo_text, num_devices))
+
+
+def distinct_kernels(hlo_text: str) -> int:
+  """How many different fusions a compiled module holds: XLA:CPU compiles each
+  distinct fused computation once (a repeated layer's kernels are shared), and
+  that code generation is most of its compile time. Two fusions are the same
+  kernel when their computations match with names and metadata removed."""
+  comps: dict[str, list[str]] = {}
+  cur = None
+  for line in hlo_text.split("\n"):
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head and not line.startswith(" "):
+      cur = head.group(1)
+      comps[cur] = []
+    elif cur is not None and line.startswith("  "):
+      comps[cur].append(line.strip())
+  kinds = set()
+  for lines in comps.values():
+    for line in lines:
+      m = re.match(r"(?:ROOT )?%?[\w.\-]+ = (\S+) fusion\(.*calls=%?([\w.\-]+)", line)
+      if m and m.group(2) in comps:
+        body = sorted(re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{.*?\}", "", x))
+                      .removeprefix("ROOT ") for x in comps[m.group(2)])
+        kinds.add(m.group(1) + "\n" + "\n".join(body))
+  return len(kinds)
