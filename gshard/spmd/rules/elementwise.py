@@ -51,7 +51,6 @@ register_elementwise(
     "real regularized_incomplete_beta rem round rsqrt sign sin sinh sqrt square "
     "tan tanh integer_pow zeta bessel_i0e bessel_i1e conj complex "
     "eq ne lt le gt ge eq_to le_to lt_to and or not xor shift_left shift_right_arithmetic "
-    "mulhi "
     "shift_right_logical population_count clz select_n "
     "reduce_precision stop_gradient optimization_barrier")
 # Linear maps of their one operand: a partial sum passes through.
