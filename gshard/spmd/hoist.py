@@ -101,6 +101,22 @@ def _settle_region(gathered, src, dst, shape, producer, readers, per_eqn, leavin
   how many times it is gathered from ``src`` to ``dst`` inside the program)
   as ``dst``, when the region's inputs and outputs (``leaving``: tensor ->
   its layouts at the boundary) cost fewer bytes that way."""
+  region = _region(gathered, src, dst, shape, producer, readers, per_eqn)
+  now = _bytes_now(region, gathered, src, dst, readers, leaving, mesh)
+  after = _bytes_after(region, src, dst, shape, producer, leaving, mesh)
+  if after is None or after >= now:
+    return 0
+  for t in region:
+    t.sharding = dst
+  return len(region)
+
+
+def _region(gathered, src, dst, shape, producer, readers, per_eqn) -> set[Tensor]:
+  """The region grown backward from ``gathered`` through elementwise
+  equations, and its frontier: values computed otherwise (a contraction's
+  result, say) that only the region reads; each is resharded once, where it
+  is produced. A value read elsewhere stays as it is, and so does what it
+  reads."""
   def inside(t: Tensor, region) -> bool:
     # every reader computes a value of the region or one laid out as dst
     return all(_elementwise(r) and per_eqn[id(r.eqn)] == 1
@@ -113,33 +129,30 @@ def _settle_region(gathered, src, dst, shape, producer, readers, per_eqn, leavin
             and not sub_jaxprs(b.eqn.params) and t.shape == shape and t.sharding == src
             and not t.fixed)
 
-  def grows(t: Tensor) -> bool:     # computed elementwise: what it reads may join
-    return _elementwise(producer[t])
-
-  # the region, and its frontier: values computed otherwise (a contraction's
-  # result, say) that only the region reads; each is resharded once, where
-  # it is produced
   region = {t for t in gathered if eligible(t)}
   grew = True
   while grew:
     grew = False
-    for t in [t for t in region if grows(t)]:
+    for t in [t for t in region if _elementwise(producer[t])]:
       for o in producer[t].operands:
         if o is not None and o not in region and eligible(o) and inside(o, region | {o}):
           region.add(o)
           grew = True
   while (out := {t for t in region if not inside(t, region)}):
-    region -= out     # read elsewhere: stays as it is, and so does what it reads
-  # Bytes now, a lower bound. The gathers at the region's ends fall into
-  # groups: values of the region and the equations outside it that read
-  # them (a "sink", its result laid out as dst), linked by those reads. A
-  # group is served by gathering its values (once each: the partitioner
-  # reuses a reshard) or its sinks' results, so it sends at least its
-  # cheapest such gather, and a value that leaves the program as dst its
-  # own. Bytes after, an upper bound: a frontier value resharded once; an
-  # equation with an operand from outside that dst does not hold at most
-  # gathers its result (run as now, then gathered).
-  now = after = 0
+    region -= out
+  return region
+
+
+def _bytes_now(region, gathered, src, dst, readers, leaving, mesh) -> int:
+  """A lower bound on the bytes the region's ends send as it is laid out now.
+
+  The gathers at its ends fall into groups: values of the region and the
+  equations outside it that read them (a "sink", its result laid out as
+  dst), linked by those reads. A group is served by gathering its values
+  (once each: the partitioner reuses a reshard) or its sinks' results, so it
+  sends at least its cheapest such gather, and a value that leaves the
+  program as dst its own."""
+  now = 0
   group = {t: t for t in region}
 
   def root(t):
@@ -147,20 +160,18 @@ def _settle_region(gathered, src, dst, shape, producer, readers, per_eqn, leavin
       t = group[t]
     return t
 
-  floor: dict[Tensor, int] = {}    # per group root: its cheapest gather
-  need: dict[Tensor, int] = {}     # per group root: what must be gathered as is
   sinks: dict[int, tuple[Bound, list[Tensor]]] = {}
   for t in region:
-    leaves = set(leaving.get(t, ())) - {src}
-    for lay in leaves - {dst}:
+    for lay in set(leaving.get(t, ())) - {src, dst}:
       now += _bytes(src, lay, t, mesh)
-      after += _bytes(dst, lay, t, mesh)
     for r in readers.get(t, ()):
       if r.results[0] not in region:
         sinks.setdefault(id(r), (r, []))[1].append(t)
   for r, ts in sinks.values():
     for t in ts[1:]:
       group[root(t)] = root(ts[0])
+  floor: dict[Tensor, int] = {}    # per group root: its cheapest gather
+  need: dict[Tensor, int] = {}     # per group root: what must be gathered as is
   for t in region:
     if gathered.get(t) or dst in leaving.get(t, ()):
       k = root(t)
@@ -170,19 +181,25 @@ def _settle_region(gathered, src, dst, shape, producer, readers, per_eqn, leavin
   for r, ts in sinks.values():
     k = root(ts[0])
     floor[k] = min(floor[k], _bytes(src, dst, r.results[0], mesh))
-  now += sum(max(f, need.get(k, 0)) for k, f in floor.items())
+  return now + sum(max(f, need.get(k, 0)) for k, f in floor.items())
+
+
+def _bytes_after(region, src, dst, shape, producer, leaving, mesh) -> int | None:
+  """An upper bound on the bytes the region sends laid out as ``dst`` (None
+  where it must not move): a frontier value resharded once; an equation with
+  an operand from outside that ``dst`` does not hold at most gathers its
+  result (run as now, then gathered)."""
+  after = 0
   for t in region:
-    if not grows(t):
+    for lay in set(leaving.get(t, ())) - {src, dst}:
+      after += _bytes(dst, lay, t, mesh)
+    if not _elementwise(producer[t]):
       after += _bytes(src, dst, t, mesh)
       continue
     outside = [o for o in producer[t].operands if o is not None and o not in region
                and o.shape]
     if any(o.sharding.partial or o.shape != shape for o in outside):
-      return 0
+      return None
     if any(_bytes(o.sharding, dst, o, mesh) for o in outside):
       after += _bytes(src, dst, t, mesh)
-  if after >= now:
-    return 0
-  for t in region:
-    t.sharding = dst
-  return len(region)
+  return after

@@ -349,9 +349,10 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
     # (an add of two pending sums) would now be resolved where it is
     # produced, a saving the partitioner does not make (it follows the
     # propagated targets), so none is credited to t.
-    trial = set(resolved) | {t}
+    alone = set(resolved) | {t}
+    trial = set(alone)
     rnd = _settle(graph, trial, reduced, index, best, {t})
-    if trial != set(resolved) | {t}:
+    if trial != alone:
       continue
     own = sum(c for u, _, c, _ in rnd.contrib[k] if u is t)
     released[t] = max(0.0, best.total - (rnd.total - own))

@@ -151,12 +151,19 @@ def call_rule(ctx: Context, eqn, ins, scope, idx, *, param: str) -> list[Value]:
     return ctx.run_jaxpr(jaxpr, scope + ((idx, (param,)),), consts, ins)
 
 
+def solve_operands(const_lengths, n_operands: int) -> list[int]:
+  """The operands of ``custom_linear_solve`` its ``solve`` jaxpr reads: that
+  jaxpr's consts (after the matvec's and vecmat's), then ``b``."""
+  first = const_lengths.matvec + const_lengths.vecmat
+  return (list(range(first, first + const_lengths.solve))
+          + list(range(sum(const_lengths), n_operands)))
+
+
 def linear_solve_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``custom_linear_solve``: its ``solve`` jaxpr interpreted inline on that
   jaxpr's consts and ``b``, as jax evaluates and lowers the primitive."""
-  lengths, solve = eqn.params["const_lengths"], eqn.params["jaxprs"].solve
-  first = lengths.matvec + lengths.vecmat
-  args = ins[first:first + lengths.solve] + ins[sum(lengths):]
+  solve = eqn.params["jaxprs"].solve
+  args = [ins[k] for k in solve_operands(eqn.params["const_lengths"], len(ins))]
   return ctx.run_jaxpr(solve.jaxpr, scope + ((idx, ("jaxprs", 2)),), solve.consts, args)
 
 

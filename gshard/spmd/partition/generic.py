@@ -73,8 +73,7 @@ def _gather_params(params, outs, ins, eqn):
 
 
 def _tile_params(params, outs, ins, eqn):
-  params["reps"] = tuple(o // max(i, 1) if i else r
-                         for o, i, r in zip(outs[0], ins[0], params["reps"]))
+  params["reps"] = tuple(o // i if i else r for o, i, r in zip(outs[0], ins[0], params["reps"]))
   return params
 
 
@@ -185,8 +184,10 @@ def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
           for o, s, sh, v in zip(outs, results, out_shapes, eqn.outvars)]
 
 
-def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
-  """The primitive itself on local shapes, from its factor rule (``plan_local``)."""
+def generic_rule(ctx: Context, eqn, ins, scope, idx, *,
+                 bind: Callable | None = None) -> list[Value]:
+  """The primitive itself on local shapes, from its factor rule (``plan_local``);
+  ``bind`` replaces ``eqn.primitive.bind`` on the local blocks."""
   try:
     factor_rule_of(eqn)
   except NotImplementedError:   # a case the sharding rule does not cover
@@ -194,7 +195,8 @@ def generic_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   if ctx.all_replicated(eqn, ins, scope):   # nothing split or pending: the op as written
     return _bind_whole(eqn, [v.x for v in ins])
   plan = plan_local(ctx, eqn, ins, scope)
-  return bind_local(ctx, eqn, plan, ins, windowed_einsum.choose(ctx, eqn, plan, ins, scope))
+  return bind_local(ctx, eqn, plan, ins, windowed_einsum.choose(ctx, eqn, plan, ins, scope),
+                    bind=bind)
 
 
 def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:

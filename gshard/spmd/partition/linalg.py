@@ -15,24 +15,22 @@ from __future__ import annotations
 
 import functools
 
-from gshard.spmd.partition.generic import bind_local, generic_rule, plan_local
+from jax import lax
+
+from gshard.spmd.partition.generic import generic_rule
 
 
-def _without_unit_batch_dims(primitive, x, *, fft_lengths, **params):
-  """``primitive`` (``fft``) bound on ``x`` with its size-1 batch dims reshaped away."""
+def _without_unit_batch_dims(x, *, fft_lengths, **params):
+  """``fft`` bound on ``x`` with its size-1 batch dims reshaped away."""
   core = len(fft_lengths)
   lead = tuple(x.shape[:x.ndim - core])
   kept = tuple(n for n in lead if n != 1)
   if kept == lead:
-    return primitive.bind(x, fft_lengths=fft_lengths, **params)
-  y = primitive.bind(x.reshape(kept + tuple(x.shape[x.ndim - core:])),
+    return lax.fft_p.bind(x, fft_lengths=fft_lengths, **params)
+  y = lax.fft_p.bind(x.reshape(kept + tuple(x.shape[x.ndim - core:])),
                      fft_lengths=fft_lengths, **params)
   return y.reshape(lead + tuple(y.shape[len(kept):]))
 
 
-def fft_rule(ctx, eqn, ins, scope, idx):
-  """``fft`` on local blocks of the batch (``rules/linalg.py``)."""
-  if ctx.all_replicated(eqn, ins, scope):
-    return generic_rule(ctx, eqn, ins, scope, idx)
-  return bind_local(ctx, eqn, plan_local(ctx, eqn, ins, scope), ins,
-                    bind=functools.partial(_without_unit_batch_dims, eqn.primitive))
+# ``fft`` on local blocks of the batch (``rules/linalg.py``)
+fft_rule = functools.partial(generic_rule, bind=_without_unit_batch_dims)

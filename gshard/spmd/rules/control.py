@@ -135,11 +135,8 @@ def linear_solve_rule(in_avals, out_avals, *, const_lengths, jaxprs) -> OpRule:
   those operands are linked to the jaxpr's invars, its outvars to the results."""
   del jaxprs
   path = ("jaxprs", 2)
-  first = const_lengths.matvec + const_lengths.vecmat
-  n_consts = sum(const_lengths)
-  ops = list(range(first, first + const_lengths.solve)) + list(range(n_consts, len(in_avals)))
   cons = [_link(IN(k), SUB_IN(path, i), in_avals[k].shape, linear="none")
-          for i, k in enumerate(ops)]
+          for i, k in enumerate(partition.solve_operands(const_lengths, len(in_avals)))]
   cons += [_link(SUB_OUT(path, j), OUT(j), a.shape, linear="none")
            for j, a in enumerate(out_avals)]
   return OpRule(tuple(cons))
