@@ -354,16 +354,14 @@ _SPECIAL = [0.0, -0.0, 1.0, -2.0, 3.0, np.inf, -np.inf, np.nan]
        ys=st.lists(st.sampled_from(_SPECIAL), min_size=6, max_size=6),
        a=st.lists(st.integers(-2, 2), min_size=24, max_size=24))
 def test_a_pending_sum_scaled_or_divided_equals_one_device(op, dtype, c, ys, a):
-  """``s = sum(a, axis=2)`` over a split dim is pending; then ``s * y``, ``s /
-  c`` ... with y a tensor and c a literal, zeros, infinities and NaN among
-  them. An integer quotient never takes a pending sum (it truncates: (1 + 1) /
-  2 is not 1 / 2 + 1 / 2), so integers are equal to one device bit for bit.
-  A float product or quotient passes it: equal where the factor is finite (and
-  the divisor non-zero); elsewhere non-finite at the same positions (a device
-  whose term is 0 adds 0 * inf = NaN where one device has +-inf: the README's
-  stated difference). Small integers: every order of the sums is exact. Not
-  the sign of an exact zero: a cancelled sum scaled by -2 is -0.0 on one
-  device and -2 + 2 = +0.0 as a pending sum, as for any negated pending sum."""
+  """``s = sum(a, axis=2)`` over a split dim; then ``s * y``, ``s / c`` ...
+  with y a tensor and c a literal, zeros, infinities and NaN among them. An
+  integer quotient never takes a pending sum (it truncates: (1 + 1) / 2 is not
+  1 / 2 + 1 / 2). A float product or quotient could take it, but the psum
+  after it would cost the same bytes, so the sum is resolved first, as one
+  device sums: equal bit for bit, the kind of every non-finite value (inf,
+  not NaN, where one device's term is 0) and the sign of every zero
+  included. Small integers: every order of the sums is exact."""
   m = mesh((4,), ("x",))
   x = np.asarray(a, np.float64).reshape(2, 3, 4).astype(dtype)
   y = np.asarray(ys, np.float64).reshape(2, 3)
@@ -388,11 +386,23 @@ def test_a_pending_sum_scaled_or_divided_equals_one_device(op, dtype, c, ys, a):
   want = jax.jit(f)(x, y)
   assert got.dtype == want.dtype
   got, want = np.asarray(got), np.asarray(want)
-  if dtype == jnp.float32:
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-    ok = np.isfinite(want)
-    got, want = np.where(ok, got, 0), np.where(ok, want, 0)
   np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_a_sum_times_inf_is_inf_where_one_device_is():
+  """The README's case: a device whose partial term is 0 would add 0 * inf =
+  NaN were the sum passed into the product. Resolved first (the psum costs
+  the same after), the values are one device's: inf, -inf and NaN (0 * inf)
+  where jax has them."""
+  m = mesh((4,), ("x",))
+  x = np.zeros((3, 8), np.float32)
+  x[0, 0], x[1, 7], x[2, 0], x[2, 7] = 1.0, -1.0, 1.0, -1.0   # sums 1, -1, 0
+  f = lambda x: jnp.sum(x, axis=1) * jnp.inf
+  got = gshard.partition(f, m, in_specs=(P(None, "x"),))(x)
+  want = jax.jit(f)(x)
+  np.testing.assert_array_equal(np.asarray(want), [np.inf, -np.inf, np.nan])
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_a_pending_sum_convolved_with_inf_is_non_finite_where_one_device_is():

@@ -511,15 +511,22 @@ def test_lowered_inspection_api():
   assert all(isinstance(s, gshard.TensorSharding) and s.rank == len(var.aval.shape)
              for (_, var), s in shardings.items())
   assert set(low.in_shardings) <= set(shardings.values())
-  assert any(s.partial for s in shardings.values())   # a pending sum was kept somewhere
+  # a pending sum shows in the layouts: h @ w2 feeding only a sum (linear)
+  # stays pending over model; the step above resolves each sum where it is made
+  assert not any(s.partial for s in shardings.values())
+  lin = gshard.partition(lambda p, x: jnp.sum(jax.nn.gelu(x @ p["w1"]) @ p["w2"]), m,
+                         in_specs=(M.MLP_SPECS, P("data")))
+  assert any(s.partial == frozenset({"model"})
+             for s in lin.lower(params, batch[0]).shardings().values())
 
   # the Megatron MLP's: the forward partial sum over model, and over data the
-  # loss (mean: div) and the two weight gradients (4096 B: a [32, 32] block)
+  # loss (at its sum, before the mean's div) and the two weight gradients
+  # (4096 B: a [32, 32] block)
   cols = low.collectives()
   assert all(isinstance(c, gshard.Collective) for c in cols)
   assert sorted((c.kind, c.axes, c.primitive, c.bytes) for c in cols) == [
-      ("psum", ("data",), "div", 4), ("psum", ("data",), "dot_general", 4096),
-      ("psum", ("data",), "dot_general", 4096), ("psum", ("model",), "dot_general", 1536)]
+      ("psum", ("data",), "dot_general", 4096), ("psum", ("data",), "dot_general", 4096),
+      ("psum", ("data",), "reduce_sum", 4), ("psum", ("model",), "dot_general", 1536)]
   line = line_of(M.mlp_loss, 'out = h @ params["w2"]')
   fwd = [c for c in cols if c.axes == ("model",)]
   assert len(fwd) == 1 and fwd[0].kind == "psum" and fwd[0].primitive == "dot_general"

@@ -6,6 +6,8 @@ second half checks, per rule, the sharding propagation gives that equation's
 result for given input specs on a (data=2, model=4) mesh.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -14,7 +16,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import gshard
-from gshard.spmd import registry
+from gshard.spmd import partials, registry
 from gshard.spmd.registry import sharding_rule
 from gshard.spmd.rules import IN, OUT, SUB_IN, SUB_OUT, FactorRule, OpRule, factor_rule
 
@@ -400,13 +402,21 @@ def test_every_registered_rule_is_callable():
 # -- propagation through one rule: input specs -> result sharding -------------
 
 def propagated(fn, specs, args, prim, index=0):
-  """The sharding propagation gives the result of the ``index``-th ``prim``."""
+  """The sharding propagation gives the result of the ``index``-th ``prim``, as
+  the op makes it: ``+axis`` for the axes its split sum factors leave pending
+  (where that sum is then resolved is tested below, test_pending_sums)."""
   res = gshard.infer_shardings(fn, MESH, in_specs=specs)(*args)
   e = [e for e in res.jaxpr.jaxpr.eqns if e.primitive.name == prim][index]
-  return " ".join(res.sharding(v).format(v.aval.shape, v.aval.dtype) for v in e.outvars)
+  bound = next(b for b in res.graph.bounds if b.eqn is e)
+  made = partials.produced(bound, dict(MESH.shape))
+
+  def fmt(v):
+    s = res.sharding(v)
+    s = dataclasses.replace(s, partial=s.partial | (made - s.axes))
+    return s.format(v.aval.shape, v.aval.dtype)
+  return " ".join(fmt(v) for v in e.outvars)
 
 
-# A linear consumer (``neg``) keeps a pending sum pending, so it shows as ``+axis``.
 PROPAGATED = [
     ("add merges", lambda x, y: x + y, (P("data"), P(None, "model")),
      [S((8, 16), f32)] * 2, "add", "f32[8@data,16@model]"),
@@ -529,12 +539,18 @@ K_SPLIT = (P(None, "model"), P("model"))
 
 
 @pytest.mark.parametrize("name, fn, expected", [
-    ("through neg", lambda x, w: -(-(x @ w)),
-     [("dot_general", "[_,_]+model"), ("neg", "[_,_]+model"), ("neg", "[_,_]")]),
-    ("through a scale", lambda x, w: -((x @ w) * 3.0),
-     [("dot_general", "[_,_]+model"), ("mul", "[_,_]+model"), ("neg", "[_,_]")]),
-    ("through a division", lambda x, w: -((x @ w) / 3.0),
-     [("dot_general", "[_,_]+model"), ("div", "[_,_]+model"), ("neg", "[_,_]")]),
+    # to a consumer whose psum is smaller (the sum over an unsplit dim)
+    ("through neg", lambda x, w: jnp.sum(-(-(x @ w)), 0),
+     [("dot_general", "[_,_]+model"), ("neg", "[_,_]+model"), ("neg", "[_,_]+model"),
+      ("reduce_sum", "[_]")]),
+    ("through a scale", lambda x, w: jnp.sum((x @ w) * 3.0, 0),
+     [("dot_general", "[_,_]+model"), ("mul", "[_,_]+model"), ("reduce_sum", "[_]")]),
+    ("through a division", lambda x, w: jnp.sum((x @ w) / 3.0, 0),
+     [("dot_general", "[_,_]+model"), ("div", "[_,_]+model"), ("reduce_sum", "[_]")]),
+    # where resolving later costs no fewer bytes, the sum is resolved where it
+    # is made, as the one-device program sums before it scales
+    ("same bytes later: summed where made", lambda x, w: -((x @ w) * 3.0),
+     [("dot_general", "[_,_]"), ("mul", "[_,_]"), ("neg", "[_,_]")]),
     ("through reduce_sum", lambda x, w: -jnp.sum(x @ w, 0),
      [("dot_general", "[_,_]+model"), ("reduce_sum", "[_]+model"), ("neg", "[_]")]),
     ("two pending sums add", lambda x, w: -((x @ w) + (x @ w * 2.0)),
@@ -554,9 +570,9 @@ K_SPLIT = (P(None, "model"), P("model"))
     # one consumer that needs the full value resolves it once, for every consumer
     ("one non-linear consumer", lambda x, w: (lambda y: (-y, jnp.exp(y)))(x @ w),
      [("dot_general", "[_,_]"), ("neg", "[_,_]"), ("exp", "[_,_]")]),
-    ("all consumers linear", lambda x, w: (lambda y: -(-y) * 2.0)(x @ w),
+    ("all consumers linear", lambda x, w: (lambda y: jnp.sum(-(-y) * 2.0, 0))(x @ w),
      [("dot_general", "[_,_]+model"), ("neg", "[_,_]+model"), ("neg", "[_,_]+model"),
-      ("mul", "[_,_]")]),
+      ("mul", "[_,_]+model"), ("reduce_sum", "[_]")]),
     # linear consumers that would each need a psum: one psum of the shared value
     # (192 B) is cheaper than psums of both outputs (192 B + 6 B)
     ("fan-out into two psums", lambda x, w: (lambda y: (-(-y), jnp.sum(y)))(x @ w),

@@ -14,7 +14,11 @@ however many consumers it has. Program outputs are resolved. Rounds repeat
 until the resolved set stops growing (it only grows). Then, where a pending
 value fans out into several psums downstream that together cost more than one
 psum of the value itself (a layer norm's backward), resolving it at the
-producer is tried, and kept if the total bytes drop.
+producer is tried, and kept if the total bytes drop. Last, a sum whose
+passing on saves nothing (a gradient scaled by the learning rate, then
+resolved at the same bytes) is resolved where it is made: summed before what
+follows, as the one-device program sums (a lookup's sum is the partitioner's
+to place).
 
 **Sum before a reduce-scatter** (:func:`sum_before_scatter`, after the
 marking). A contraction whose result's layout splits a dim over the axes it
@@ -275,14 +279,19 @@ def mark_partials(graph: Graph, max_trials: int = MAX_TRIALS) -> dict[Tensor, fr
   return settle(graph, max_trials)[0]
 
 
+# Lookups into a table and their scatter-add gradients: where the table's split
+# conflicts with the indices', the partitioner may move it to another of the
+# table's dims first (partition/plan.py), weighing the bytes of their sums.
+LOOKUPS = frozenset({"gather", "scatter-add", "scatter-sub"})
+
 # Lookups whose pending sum the partitioner may avoid by moving the table's
-# split first (plan.LOOKUPS): what their sum costs downstream is weighed there.
+# split first: what their sum costs downstream is weighed there.
 # A gather only: a scatter-add's pending sum is a table gradient's, the one
 # all-reduce data parallelism runs for every gradient. Moving it instead (the
 # indices gathered, the cotangent all-to-all'd, the gradient all-gathered)
 # sends fewer bytes but runs three collectives for one: on the data-parallel
 # LM of docs/benchmarks-client.md it stepped 7-9% slower than the all-reduce.
-_LOOKUPS = frozenset({"gather"})
+_WEIGHED = frozenset({"gather"})
 
 
 def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
@@ -323,26 +332,29 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
     last = rnd.pending
     if rnd.total < best.total:
       resolved, best = trial, rnd
-  # A contraction's pending sum carried only through a transpose: summed at the
-  # contraction when that costs no more (jax transposes a weight gradient
-  # after its dot; XLA:CPU folds a transpose it meets before the psum into the
-  # dot and runs it as a slower transposed-operand matmul).
+  # A sum passed on only to be resolved further down at the same bytes is
+  # resolved where it is made: a bias gradient scaled by the learning rate, a
+  # weight gradient jax transposes after its dot. Summed before what follows,
+  # it is what the one-device program computes (no 0 * inf = NaN on a device
+  # whose term is 0), and XLA fuses the ops after the psum with the update
+  # (XLA:CPU also folds a transpose met before the psum into the dot, a
+  # slower transposed-operand matmul). Not a lookup's: where its sum goes is
+  # the partitioner's choice among its plans. (A sum never leaves a loop's
+  # body pending: this moves no psum into or out of a loop.)
   for k, b in enumerate(graph.bounds):
-    if b.eqn.primitive.name != "dot_general":
+    if not reduced[k] or b.eqn.primitive.name in LOOKUPS:
       continue
-    t = b.results[0]
-    readers = index.consumers.get(t, ())
-    if t is None or t in resolved or not best.pending.get(t) or len(readers) != 1 \
-        or readers[0].eqn.primitive.name != "transpose":
-      continue
-    trial = set(resolved) | {t}
-    rnd = _settle(graph, trial, reduced, index, best, {t})
-    if rnd.total <= best.total:
-      resolved, best = trial, rnd
+    for t in b.results:
+      if t is None or t in resolved or not best.pending.get(t):
+        continue
+      trial = set(resolved) | {t}
+      rnd = _settle(graph, trial, reduced, index, best, {t})
+      if rnd.total <= best.total:
+        resolved, best = trial, rnd
   released = {}
   for k, b in enumerate(graph.bounds):
     t = b.results[0] if b.results else None
-    if b.eqn.primitive.name not in _LOOKUPS or t is None or not best.pending.get(t):
+    if b.eqn.primitive.name not in _WEIGHED or t is None or not best.pending.get(t):
       continue
     # resolved where it is produced, less that psum itself: complete for free.
     # Counted only when nothing else changes: a pending value that met t's

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from gshard.spmd import factors, registry, reshard
+from gshard.spmd.partials import LOOKUPS
 from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
@@ -309,9 +310,6 @@ _INFEASIBLE = 1 << 62
 # Sums over a factor two operands share, where GShard's three einsum options
 # apply (a gather's sum factor is a masked lookup; its own moves are LOOKUPS').
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-# Lookups into a table and their scatter-add gradients: where the table's split
-# conflicts with the indices', its split may move to another of its dims first.
-LOOKUPS = frozenset({"gather", "scatter-add", "scatter-sub"})
 
 
 def _result_target(o: _Out, s: TensorSharding) -> tuple[TensorSharding, float]:
