@@ -319,10 +319,10 @@ def reading(b, p, mem, pod) -> str:
       + ("exactly" if weights_ok else "NOT") + " 1/K of the stack. gshard's own time for "
       f"the 64-layer pod pipeline is {min(times):.2f}-{max(times):.2f} s from "
       f"{pod[0]['devices']} to {pod[-1]['devices']} devices (flat: one SPMD program). "
-      f"Known cost: the data-parallel gradient reduction runs in every tick of the backward "
-      f"loop ({min(dp):.0f}-{max(dp):.0f}x the bytes of one all-reduce per step), because "
-      "gshard resolves a loop carry's pending sum in every iteration; keeping the weight "
-      "gradients' accumulator pending across the loop would bring it to one.")
+      f"The data-parallel gradient reduction sends {min(dp):.2f}-{max(dp):.2f}x the bytes "
+      "of one all-reduce of the stage's weights per step: the weight gradients' "
+      "accumulator stays a pending sum across the backward ticks and is reduced once, "
+      "after them.")
 
 
 def main(quick: bool = False) -> None:

@@ -543,3 +543,96 @@ def test_custom_vjp_inside_a_scanned_layer():
 
   args = (rand(8, 16), rand(16, 16, seed=1, scale=0.25))
   check_with_grads(fn, args, (P("data", "model"), P("model")), (0, 1))
+
+
+# -- accumulators: a sum carried round a loop stays pending ---------------------------
+
+def _accumulate(w, xs, ys, g0):
+  """Gradient accumulation over micro-batches (as MaxText's and praxis's scans do)."""
+  def body(g, xy):
+    x, y = xy
+    return g + jax.grad(lambda w: jnp.sum((jnp.tanh(x @ w) - y) ** 2))(w), None
+  g, _ = lax.scan(body, g0, (xs, ys))
+  return w - 0.1 * g
+
+
+def test_an_accumulated_gradient_is_summed_once_after_the_loop():
+  """Micro-batches split on data: each step's weight gradient is a partial sum
+  over data added to the carry. It stays pending round the loop (its init, a
+  complete value, kept on the first device of data) and one psum after it
+  resolves it: the bytes of one gradient, not one per step (XLA's GSPMD
+  hoists the all-reduce out of the loop too)."""
+  w = rand(16, 16, scale=0.25)
+  for g0 in (np.zeros((16, 16), np.float32), rand(16, 16, seed=3)):
+    args = (w, rand(4, 8, 16, seed=1), rand(4, 8, 16, seed=2), g0)
+    _, low = check(_accumulate, args, (P(), P(None, "data"), P(None, "data"), P()),
+                   shape=((8,), ("data",)))
+    body = low.per_device_jaxpr()
+    psums = [e for e in eqns_of(body) if e.primitive.name == "psum"]
+    (scan,) = [e for e in eqns_of(body) if e.primitive.name == "scan"]
+    assert len(psums) == 1 and "psum" not in str(scan.params["jaxpr"]), body
+    assert low.total_bytes() == 2 * 7 * (16 * 16 * 4) // 8, low.explain()   # one all-reduce
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_an_accumulator_equals_one_device(data):
+  """Random meshes and splits of the summed dim (over one axis or two), scan
+  lengths and directions, inits (zeros, a complete value, a pending sum of
+  its own), ``+`` as ``add`` or ``add_any`` (a gradient's), int32 (wrapping:
+  exact) and float32 (small integers: every order of the sums exact), and
+  accumulators next to a carry that is not one: equal to one device bit for
+  bit. Where the per-step sum is pending, one psum after the loop resolves it
+  (no psum in the body)."""
+  shape, names = data.draw(st.sampled_from([((8,), ("x",)), ((2, 4), ("x", "y")),
+                                            ((4, 2), ("x", "y"))]), label="mesh")
+  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
+  dtype = data.draw(st.sampled_from([np.float32, np.int32]), label="dtype")
+  length = data.draw(st.integers(1, 4), label="length")
+  reverse = data.draw(st.booleans(), label="reverse")
+  init = data.draw(st.sampled_from(["zeros", "value", "pending"]), label="init")
+  grad_form = data.draw(st.booleans(), label="add_any") and dtype == np.float32
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+  xs = rng.integers(-3, 4, (length, 6, 16)).astype(dtype)
+  c0 = rng.integers(-3, 4, (6, 16)).astype(dtype)
+  n = int(np.prod([dict(zip(names, shape))[a] for a in axes]))
+
+  def f(xs, c0):
+    acc0 = {"zeros": jnp.zeros((6,), dtype), "value": c0[:, 0],
+            "pending": jnp.sum(c0, axis=1)}[init]
+
+    def body(carry, x):
+      acc, other = carry
+      u = jnp.sum(x * 2, axis=1)                    # a sum over the split dim
+      if grad_form:
+        acc = jax.extend.core.primitives.add_jaxvals_p.bind(u, acc)
+      else:
+        acc = acc + u
+      return (acc, other * 2 + u[0]), u[-1]         # other: reads itself, not one
+    (acc, other), ys = lax.scan(body, (acc0, c0[0, 0]), xs, reverse=reverse)
+    return acc, other, ys
+
+  spec = P(None, None, axes if len(axes) > 1 else axes[0])
+  step = gshard.partition(f, mesh(shape, names), in_specs=(spec, P(None, spec[2])))
+  got, want = step(xs, c0), jax.jit(f)(xs, c0)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  body = step.lower(xs, c0).per_device_jaxpr()
+  (scan,) = [e for e in eqns_of(body) if e.primitive.name == "scan"]
+  # the accumulator's psum (f32[6]) runs after the loop, none in it (the
+  # carry that is not one, and ys, take their scalars' psums in the loop); a
+  # pending init is summed first, before the loop. One step: in the loop or
+  # after it is the same.
+  def vector_psums(jaxpr):
+    return [e for e in eqns_of(jaxpr) if e.primitive.name == "psum"
+            and e.invars[0].aval.shape == (6,)]
+  inner = vector_psums(scan.params["jaxpr"].jaxpr)
+  if length > 1:
+    assert not inner, body
+  if n > 1:
+    assert len(vector_psums(body)) == (2 if init == "pending" else 1), body

@@ -343,7 +343,22 @@ def test_scan_rule():
       ("a->a", (SUB_OUT(J, 0),), (SUB_IN(J, 1),)),                # carry loops back
       ("a->a", (SUB_OUT(J, 0),), (OUT(0),)),                      # carry out
       ("za->a blocked={z}", (IN(2),), (SUB_IN(J, 2),)),           # xs: scanned dim blocked
-      ("a->za blocked={z}", (SUB_OUT(J, 1),), (OUT(1),)),         # ys
+      ("a->za blocked={z} linear=unary", (SUB_OUT(J, 1),), (OUT(1),)),   # ys: stacking
+  ]
+
+
+def test_scan_rule_of_an_accumulator():
+  """A carry that only accumulates (``c + x * w``, c read by nothing else) may
+  stay pending round the loop: its init is a seed, its back edge and out link
+  linear."""
+  def f(w, c, xs):
+    return lax.scan(lambda c, x: (c + x * w, None), c, xs)
+  rule = rule_of(f, [S((16,), f32), S((16,), f32), S((5, 16), f32)], "scan")
+  J = ("jaxpr",)
+  assert summary(rule)[1:4] == [
+      ("a->a linear=seed", (IN(1),), (SUB_IN(J, 1),)),            # carry in: seeded
+      ("a->a linear=unary", (SUB_OUT(J, 0),), (SUB_IN(J, 1),)),   # loops back pending
+      ("a->a linear=unary", (SUB_OUT(J, 0),), (OUT(0),)),         # leaves pending
   ]
 
 
@@ -585,3 +600,25 @@ def test_pending_sums(name, fn, expected):
 
 def test_pending_sum_resolved_at_program_output():
   assert _pending(lambda x, w: x @ w, K_SPLIT, XW) == [("dot_general", "[_,_]")]
+
+
+_F4, _B4 = jnp.zeros(4), jnp.zeros(4, bool)
+
+
+@pytest.mark.parametrize("body, init, expected", [
+    (lambda c, x: (c + x, None), _F4, {0}),                            # c + u
+    (lambda c, x: (x + c, None), _F4, {0}),                            # u + c
+    (lambda c, x: (c + x * c, None), _F4, set()),                      # c read twice
+    (lambda c, x: ((c + x), (c + x).sum()), _F4, set()),               # the sum read again
+    (lambda c, x: (c - x, None), _F4, set()),                          # not an add
+    (lambda c, x: ((c[0] + x, c[1] * x), None), (_F4, _F4), {0}),      # one of two
+    (lambda c, x: ((c[0] + (x > 0), c[1] + x), None), (_B4, _F4), {1}),  # bool: no
+])
+def test_scan_accumulators(body, init, expected):
+  """Which carries of a scan only accumulate (rules.control.accumulators):
+  their sum may stay pending round the loop."""
+  from gshard.spmd.rules.control import accumulators
+  closed = jax.make_jaxpr(lambda c, xs: lax.scan(body, c, xs))(init, jnp.ones((3, 4)))
+  (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+  p = eqn.params
+  assert accumulators(p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]) == expected

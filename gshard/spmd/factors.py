@@ -355,6 +355,11 @@ def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> fro
 #              factor holding inf makes a device whose term is 0 add NaN where
 #              one device has +-inf (the README's one stated difference).
 #   "first":   linear in operand 0 only (float div): the others are complete.
+#   "seed":    a loop accumulator's first value (its init linked to the body's
+#              carry): nothing passes (a pending init is resolved first), and
+#              the carry may be pending over any axes, ANY, until the loop's
+#              body says which: the partitioner keeps the init on the first
+#              device of those axes and zeros elsewhere, a sum that is the init.
 
 
 class _Mark:
@@ -371,6 +376,9 @@ class _Mark:
 
 
 ZERO = _Mark("ZERO")
+# a seeded carry's pending axes before its loop's body has been marked: in a
+# sum it adds nothing (like ZERO), so the sum takes its other operands' axes
+ANY = _Mark("ANY")
 # linearities that read a literal's mark (others see every literal as None)
 READS_LITERALS = frozenset({"sum"})
 
@@ -390,8 +398,8 @@ def _table(linear: str, partials) -> list:
   """The partials as the table reads them: in a sum a ZERO drops out;
   elsewhere it is a complete literal (None)."""
   if linear == "sum":
-    return [p for p in partials if p is not ZERO]
-  return [None if p is ZERO else p for p in partials]
+    return [p for p in partials if p is not ZERO and p is not ANY]
+  return [None if p is ZERO or p is ANY else p for p in partials]
 
 
 def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int) -> bool:

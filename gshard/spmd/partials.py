@@ -34,7 +34,7 @@ import dataclasses
 import heapq
 
 from gshard.spmd import factors
-from gshard.spmd.graph import Bound, Graph, Tensor
+from gshard.spmd.graph import Bound, Graph, Tensor, sub_jaxprs
 from gshard.spmd.reshard import allreduce_bytes
 
 MAX_TRIALS = 48
@@ -121,6 +121,29 @@ class _Index:
     # a loop's carry, make a round recompute the whole suffix.)
     self.regular = {t for t, ks in self.producers.items()
                     if len(ks) == 1 and self.reads.get(t, [ks[0] + 1])[0] > ks[0]}
+    # how many times each bound's psum would run: once per step in a scan's
+    # body; a link's where its outer end is (a carry's round-the-loop link: in
+    # the body)
+    runs: dict = {}
+    self.runs = []
+    for b in graph.bounds:
+      scope = min((t.scope for t in b.operands + b.results if t is not None), key=len,
+                  default=b.scope)
+      if scope not in runs:
+        runs[scope] = _runs(graph.top, scope)
+      self.runs.append(runs[scope])
+
+
+def _runs(jaxpr, scope) -> int:
+  """How many times a scope's equations run per call: the product of the
+  lengths of the scans around it (a while loop's count is unknown: once)."""
+  n = 1
+  for idx, path in scope:
+    eqn = jaxpr.eqns[idx]
+    if eqn.primitive.name == "scan":
+      n *= eqn.params["length"]
+    jaxpr = dict(sub_jaxprs(eqn.params))[path]
+  return n
 
 
 def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
@@ -152,11 +175,12 @@ def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
           break
         for u, q, cost, anc in base.contrib[k]:
           if u is t:
-            pending[t] = q if t not in pending else (pending[t] & q)
+            pending[t] = q if t not in pending else _meet(pending[t], q)
             if pending[t]:
               feeds[t] = anc
   for k in range(start, len(graph.bounds)):
-    recs = _mark(graph.bounds[k], reduced[k], mesh, resolved, pending, feeds, again=True)
+    recs = _mark(graph.bounds[k], reduced[k], mesh, resolved, pending, feeds, again=True,
+                 runs=index.runs[k])
     total = _book(recs, downstream, total, 1.0)
     contrib.append(recs)
   return _Round(pending, total, downstream, feeds, contrib)
@@ -174,12 +198,26 @@ def _book(recs, downstream: dict, total: float, sign: float) -> float:
   return total
 
 
-def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False):
+def _meet(a, b):
+  """The axes two markings of one value both leave pending (ANY: either's)."""
+  return b if a is factors.ANY else a if b is factors.ANY else a & b
+
+
+def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False,
+          runs: int = 1):
   """Bound ``b``'s marking: per result (tensor, pending, its psum's bytes, the
   pending ancestors it fed), from the operands' state in ``pending``/``feeds``
   (its results' entries in them are updated). ``again``: a result another
   bound produced earlier in this round (a loop's carry) stays pending only
-  over the axes both leave pending."""
+  over the axes both leave pending. A psum's bytes count ``runs`` times (the
+  bound is in a scan's body)."""
+  if b.rule.linear == "seed":       # a loop accumulator's init: its body decides
+    for t in b.results:
+      if t is not None and not t.fixed:
+        pending[t] = frozenset() if t in resolved else factors.ANY
+        feeds.pop(t, None)
+    return tuple((t, pending[t], 0.0, frozenset()) for t in b.results
+                 if t is not None and not t.fixed)
   p = produced(b, mesh, pending, r)
   anc = frozenset().union(*[feeds.get(o, frozenset()) | {o}
                             for o in b.operands if o is not None and pending.get(o)])
@@ -190,7 +228,7 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False):
     raw = p - t.sharding.axes
     q = frozenset() if t in resolved else raw
     if again and t in pending:
-      q &= pending[t]
+      q = _meet(pending[t], q)
     pending[t] = q
     cost = 0.0
     if q:
@@ -198,7 +236,7 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False):
     else:
       feeds.pop(t, None)
       if raw:
-        cost = _psum_cost(t, raw, mesh)
+        cost = _psum_cost(t, raw, mesh) * runs
     recs.append((t, q, cost, anc if (q or raw) else frozenset()))
   return tuple(recs)
 
@@ -225,7 +263,7 @@ def _follow(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
     old = contrib[k]
     total = _book(old, downstream, total, -1.0)
     before = {t: (pending.get(t), feeds.get(t)) for t, *_ in old}
-    recs = _mark(b, reduced[k], mesh, resolved, pending, feeds)
+    recs = _mark(b, reduced[k], mesh, resolved, pending, feeds, runs=index.runs[k])
     contrib[k] = recs
     total = _book(recs, downstream, total, 1.0)
     for t, *_ in recs:
@@ -368,7 +406,7 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
       continue
     own = sum(c for u, _, c, _ in rnd.contrib[k] if u is t)
     released[t] = max(0.0, best.total - (rnd.total - own))
-  return best.pending, released
+  return {t: frozenset() if p is factors.ANY else p for t, p in best.pending.items()}, released
 
 
 # -- sums before a reduce-scatter ----------------------------------------------------

@@ -14,9 +14,11 @@ a loop body count once per iteration (``scan``'s length is known; a
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import source_info_util
 from jax.extend.core import Literal
@@ -26,8 +28,9 @@ from gshard.spmd.sharding import TensorSharding
 
 
 def _stacked(s: TensorSharding) -> TensorSharding:
-  """The sharding of ``T`` stacked values of sharding ``s``: ``[a,b] -> [_,a,b]``."""
-  return TensorSharding(((),) + s.dims)
+  """The sharding of ``T`` stacked values of sharding ``s``: ``[a,b] -> [_,a,b]``
+  (pending over the axes they all are: ys)."""
+  return TensorSharding(((),) + s.dims, s.partial)
 
 
 def _unstacked(v: Value, s: TensorSharding, x) -> Value:
@@ -44,6 +47,17 @@ def _repeated(ctx: Context, n: int):
     ctx.repeat = old
 
 
+def seed(v: Value, target: TensorSharding) -> Value:
+  """A complete value as a pending sum over ``target.partial``: kept on the
+  first device along those axes, zeros elsewhere (their sum is the value).
+  No communication."""
+  if not target.partial:
+    return v
+  first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0
+                                             for a in sorted(target.partial)])
+  return Value(jnp.where(first, v.x, jnp.zeros_like(v.x)), target, v.shape, v.dtype)
+
+
 def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``scan``: one ``lax.scan`` over the partitioned body; carries keep the body's
   propagated sharding; ``xs``/``ys`` are split like the per-step values."""
@@ -55,13 +69,16 @@ def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   invars, outvars = jaxpr.invars, jaxpr.outvars
   consts = [ctx.reshard(ins[i], ctx.target(sub, invars[i]), eqn, f"operand {i}")
             for i in range(nc)]
-  carry_s = [ctx.target(sub, invars[nc + c]).without_partial() for c in range(nk)]
-  init = [ctx.reshard(ins[nc + c], carry_s[c], eqn, f"carry {c}") for c in range(nk)]
+  # a carry is pending only as an accumulator (rules.control.accumulators):
+  # one psum after the loop instead of one per step
+  carry_s = [ctx.target(sub, invars[nc + c]) for c in range(nk)]
+  init = [seed(ctx.reshard(ins[nc + c], s.without_partial(), eqn, f"carry {c}"), s)
+          for c, s in enumerate(carry_s)]
   x_s = [ctx.target(sub, v).without_partial() for v in invars[nc + nk:]]
   xs = [ctx.reshard(v, _stacked(s), eqn, f"xs {k}")
         for k, (v, s) in enumerate(zip(ins[nc + nk:], x_s))]
-  y_s = [ctx.target(sub, v).without_partial() if hasattr(v, "aval") else None
-         for v in outvars[nk:]]
+  # ys may be pending: stacked, their sum is resolved once, after the loop
+  y_s = [ctx.target(sub, v) if hasattr(v, "aval") else None for v in outvars[nk:]]
   y_s = [s if s is not None else TensorSharding.replicated(len(a.aval.shape) - 1)
          for s, a in zip(y_s, eqn.outvars[nk:])]
 

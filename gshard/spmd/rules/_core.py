@@ -31,7 +31,9 @@ Dims = tuple[tuple[str, ...], ...]   # per dim, the factors (major first) it hol
 #   "sum":     add-like: passes when every operand has the same partial axes.
 #   "product": bilinear (mul, conv): passes when exactly one operand is partial.
 #   "first":   linear in operand 0 only, the others unpartial (float div).
-LINEARITIES = ("none", "unary", "sum", "product", "first")
+#   "seed":    a loop accumulator's first value: the result may be pending
+#              over any axes (the partitioner keeps the value on one device).
+LINEARITIES = ("none", "unary", "sum", "product", "first", "seed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 
+from jax.extend.core import Literal
+
 from gshard.spmd.partition import control as partition
 from gshard.spmd.registry import register
 from gshard.spmd.rules._core import (IN, OUT, SUB_IN, SUB_OUT, Constraint, FactorRule,
@@ -29,13 +31,16 @@ def _link(src, dst, shape, linear="unary") -> Constraint:
 
 
 def _strip_leading(outer, inner, outer_shape, to_inner: bool) -> Constraint:
-  """``f32[T,a,b]`` outer to ``f32[a,b]`` inner: ``zab->ab`` with ``z`` blocked."""
+  """``f32[T,a,b]`` outer to ``f32[a,b]`` inner: ``zab->ab`` with ``z`` blocked.
+  A ys value (``to_inner`` False) may leave the loop pending: stacking is
+  linear, and its psum after the loop sends what one per step would, at once."""
   rank = len(outer_shape) - 1
   f = letters(rank)
   if to_inner:
     rule = factor_rule(f"z{f}->{f}", [outer_shape], [outer_shape[1:]], blocked="z")
     return Constraint(rule, (outer,), (inner,))
-  rule = factor_rule(f"{f}->z{f}", [outer_shape[1:]], [outer_shape], blocked="z")
+  rule = factor_rule(f"{f}->z{f}", [outer_shape[1:]], [outer_shape], blocked="z",
+                     linear="unary")
   return Constraint(rule, (inner,), (outer,))
 
 
@@ -48,19 +53,50 @@ def call_rule(in_avals, out_avals, *, jaxpr_param: str, **params) -> OpRule:
   return OpRule(tuple(cons))
 
 
-def scan_rule(in_avals, out_avals, *, num_consts, num_carry, **params) -> OpRule:
+def accumulators(jaxpr, first: int, n: int) -> frozenset[int]:
+  """The carries (of ``n``, whose invars start at ``first``) that only
+  accumulate: the body's result for the carry is ``carry + u`` (``add`` or
+  ``add_any``), the carry is read by that add alone, and the sum by nothing
+  else in the body (a micro-batch loop's gradient sum)."""
+  uses: dict = {}
+  for e in jaxpr.eqns:
+    for v in e.invars:
+      if not isinstance(v, Literal):
+        uses[v] = uses.get(v, 0) + 1
+  outs = [v for v in jaxpr.outvars if not isinstance(v, Literal)]
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  found = set()
+  for c in range(n):
+    vin, vout = jaxpr.invars[first + c], jaxpr.outvars[c]
+    e = producer.get(vout)
+    if (e is not None and e.primitive.name in _ADDS and list(e.invars).count(vin) == 1
+        and uses.get(vin) == 1 and vin not in outs and vout not in uses
+        and outs.count(vout) == 1 and vin.aval.dtype != bool):
+      found.add(c)
+  return frozenset(found)
+
+
+_ADDS = frozenset({"add", "add_any"})
+
+
+def scan_rule(in_avals, out_avals, *, num_consts, num_carry, jaxpr, **params) -> OpRule:
   """``scan``: consts linked to the body's invars; each carry linked in, round the
-  loop and out (never pending); ``xs``/``ys`` strip their scanned dim."""
+  loop and out, never pending, but for an accumulator (:func:`accumulators`):
+  its sum may stay pending round the loop and out of it, one psum after the
+  loop instead of one per step, its init seeded (``seed``); ``xs``/``ys``
+  strip their scanned dim."""
   path = ("jaxpr",)
+  acc = accumulators(jaxpr.jaxpr, num_consts, num_carry)
   cons = []
   for i in range(num_consts):
     cons.append(_link(IN(i), SUB_IN(path, i), in_avals[i].shape))
   for c in range(num_carry):
     i = num_consts + c
     shape = in_avals[i].shape
-    cons.append(_link(IN(i), SUB_IN(path, i), shape, linear="none"))
-    cons.append(_link(SUB_OUT(path, c), SUB_IN(path, i), shape, linear="none"))
-    cons.append(_link(SUB_OUT(path, c), OUT(c), shape, linear="none"))
+    carried = "unary" if c in acc else "none"
+    cons.append(_link(IN(i), SUB_IN(path, i), shape, linear="seed" if c in acc else "none"))
+    cons.append(_link(SUB_OUT(path, c), SUB_IN(path, i), shape, linear=carried))
+    cons.append(_link(SUB_OUT(path, c), OUT(c), shape, linear=carried))
   for i in range(num_consts + num_carry, len(in_avals)):
     cons.append(_strip_leading(IN(i), SUB_IN(path, i), in_avals[i].shape, True))
   for j in range(num_carry, len(out_avals)):
