@@ -302,7 +302,8 @@ def reading(b, p, mem, pod) -> str:
   ticks_ok = all(r["ticks"] == r["formula"] for r in p)
   bytes_ok = all(set(r["permute_bytes"]) == {r["mb_bytes"]} and
                  r["step_bytes"] == r["step_formula"] for r in p)
-  dp = [r["dp_bytes"] / r["dp_once"] for r in p]
+  dp1 = [r["dp_bytes"] / r["dp_once"] for r in p if r["v"] == 1]
+  dpv = [r["dp_bytes"] / r["dp_once"] for r in p if r["v"] > 1]
   mem_err = [(r["no_remat"] - r["remat"]) / (r["f_no_remat"] - r["f_remat"]) for r in mem]
   weights_ok = all(r["weights"] == r["stack"] // r["K"] for r in mem)
   times = [r["total"] for r in pod]
@@ -319,10 +320,16 @@ def reading(b, p, mem, pod) -> str:
       + ("exactly" if weights_ok else "NOT") + " 1/K of the stack. gshard's own time for "
       f"the 64-layer pod pipeline is {min(times):.2f}-{max(times):.2f} s from "
       f"{pod[0]['devices']} to {pod[-1]['devices']} devices (flat: one SPMD program). "
-      f"The data-parallel gradient reduction sends {min(dp):.2f}-{max(dp):.2f}x the bytes "
-      "of one all-reduce of the stage's weights per step: the weight gradients' "
-      "accumulator stays a pending sum across the backward ticks and is reduced once, "
-      "after them.")
+      f"With one pass, the data-parallel gradient reduction sends "
+      f"{_span(dp1)}x the bytes of one all-reduce of the stage's weights per step: the "
+      "weight gradients' accumulator stays a pending sum across the backward ticks and "
+      f"is reduced once, after them. With repeats it sends {_span(dpv)}x: each repeat's "
+      "gradient reaches its accumulator through the select that picks the repeat's "
+      "weights, which resolves the sum in every tick.")
+
+
+def _span(xs) -> str:
+  return f"{min(xs):.2f}-{max(xs):.2f}" if xs else "-"
 
 
 def main(quick: bool = False) -> None:
