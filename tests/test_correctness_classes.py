@@ -439,3 +439,60 @@ def test_a_pending_sum_convolved_with_inf_is_non_finite_where_one_device_is():
   np.testing.assert_array_equal(
       np.asarray(gshard.partition(g, m, in_specs=specs)(x, a, w2)),
       np.asarray(jax.jit(g)(x, a, w2)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(other=st.sampled_from(["0.0 literal", "jnp.zeros", "zeros via jit", "pending",
+                              "1.0 literal", "y"]),
+       dtype=st.sampled_from([jnp.float32, jnp.int32]), scalar_mask=st.booleans(),
+       ys=st.lists(st.sampled_from(_SPECIAL), min_size=6, max_size=6),
+       a=st.lists(st.integers(-2, 2), min_size=24, max_size=24),
+       bits=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_a_pending_sum_selected_equals_one_device(other, dtype, scalar_mask, ys, a, bits):
+  """``s = sum(x, axis=2)`` over a split dim is pending; ``where(m, s, o)``
+  with ``o`` a zero (a literal, ``jnp.zeros``, one passed into a jit: each
+  device picks its term or 0, and the terms sum to the select of the sum),
+  another pending sum, or a non-zero (resolved first), ``m`` a complete mask
+  or a scalar; then summed over an unsplit dim, so the select is where the
+  sum stays pending. Equal to one device bit for bit, NaN and infinities in
+  ``y`` included; for floats the gradient of the sum of squares too (jax
+  transposes the select into one of the cotangent and zeros)."""
+  m = mesh((4,), ("x",))
+  x = np.asarray(a, np.float64).reshape(2, 3, 4).astype(dtype)
+  y = np.asarray(ys, np.float64).reshape(2, 3)
+  if dtype == jnp.int32:
+    y = np.where(np.isfinite(y), y, 7)
+  y = y.astype(dtype)
+  mask = np.asarray(bits).reshape(2, 3)
+  zero_jit = jax.jit(lambda s: jnp.zeros_like(s))
+
+  def f(x, y, mask):
+    s = jnp.sum(x, axis=2)
+    o = {"0.0 literal": lambda: 0, "jnp.zeros": lambda: jnp.zeros(s.shape, s.dtype),
+         "zeros via jit": lambda: zero_jit(s), "pending": lambda: jnp.sum(x * 2, axis=2),
+         "1.0 literal": lambda: 1, "y": lambda: y}[other]()
+    return jnp.sum(jnp.where(mask[0, 0] if scalar_mask else mask, s, o), axis=1)
+
+  specs = (P(None, None, "x"), P(), P())
+  got = gshard.partition(f, m, in_specs=specs)(x, y, mask)
+  want = jax.jit(f)(x, y, mask)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  if dtype == jnp.float32 and other != "y":
+    g = jax.grad(lambda x, y, mask: jnp.sum(f(x, y, mask) ** 2))
+    np.testing.assert_array_equal(
+        np.asarray(gshard.partition(g, m, in_specs=specs)(x, y, mask)),
+        np.asarray(jax.jit(g)(x, y, mask)))
+
+
+def test_a_masked_sum_is_summed_after_its_select():
+  """``where(m, x @ w, 0)`` then a sum over the rows: the select passes the
+  contraction's pending sum, so one psum of the reduced vector (16 B) runs
+  where a psum of the selected matrix (128 B) ran."""
+  m = mesh((4,), ("x",))
+  f = lambda x, w, mask: jnp.sum(jnp.where(mask, x @ w, 0.0), axis=0)
+  args = (np.ones((8, 16), np.float32), np.ones((16, 4), np.float32),
+          np.arange(32).reshape(8, 4) % 3 == 0)
+  low = gshard.partition(f, m, in_specs=(P(None, "x"), P("x"), P())).lower(*args)
+  assert [(c.kind, c.primitive) for c in low.collectives()] == [("psum", "reduce_sum")]
+  assert low.total_bytes() == 2 * 3 * 16 // 4, low.explain()

@@ -73,9 +73,9 @@ GOLDEN = [
     ("max", jnp.maximum, [S((8, 16), f32)] * 2, "max", "ab,ab->ab", None),
     ("eq", lambda x, y: x == y, [S((8, 16), f32)] * 2, "eq", "ab,ab->ab", None),
     ("select_n", lax.select, [S((8, 16), b1), S((8, 16), f32), S((8, 16), f32)],
-     "select_n", "ab,ab,ab->ab", None),
+     "select_n", "ab,ab,ab->ab linear=select", None),
     ("select_n scalar predicate", lax.select_n, [S((), b1), S((8, 16), f32), S((8, 16), f32)],
-     "select_n", ",ab,ab->ab", None),
+     "select_n", ",ab,ab->ab linear=select", None),
     ("clamp scalar bounds", lambda x: lax.clamp(0.0, x, 1.0), [S((8, 16), f32)], "clamp",
      ",ab,->ab", None),
     ("convert f32->bf16", lambda x: x.astype(jnp.bfloat16), [S((8, 16), f32)],
@@ -562,6 +562,16 @@ K_SPLIT = (P(None, "model"), P("model"))
      [("dot_general", "[_,_]+model"), ("mul", "[_,_]+model"), ("reduce_sum", "[_]")]),
     ("through a division", lambda x, w: jnp.sum((x @ w) / 3.0, 0),
      [("dot_general", "[_,_]+model"), ("div", "[_,_]+model"), ("reduce_sum", "[_]")]),
+    # a select of it and a zero (each device picks its term or 0), or of two
+    # pending sums, with a complete mask; not of a non-zero (counted per device)
+    ("through a select of a zero", lambda x, w: jnp.sum(jnp.where(jnp.arange(4) > 1,
+                                                                  x @ w, 0.0), 0),
+     [("iota", "[_]"), ("gt", "[_]"), ("dot_general", "[_,_]+model"),
+      ("jit", "[_,_]+model"), ("reduce_sum", "[_]")]),
+    ("not through a select of a non-zero", lambda x, w: jnp.sum(jnp.where(
+        jnp.arange(4) > 1, x @ w, 1.0), 0),
+     [("iota", "[_]"), ("gt", "[_]"), ("dot_general", "[_,_]"), ("jit", "[_,_]"),
+      ("reduce_sum", "[_]")]),
     # where resolving later costs no fewer bytes, the sum is resolved where it
     # is made, as the one-device program sums before it scales
     ("same bytes later: summed where made", lambda x, w: -((x @ w) * 3.0),

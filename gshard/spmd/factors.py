@@ -355,6 +355,10 @@ def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> fro
 #              factor holding inf makes a device whose term is 0 add NaN where
 #              one device has +-inf (the README's one stated difference).
 #   "first":   linear in operand 0 only (float div): the others are complete.
+#   "select":  select_n: the cases as in "sum" (a ZERO any: jax transposes a
+#              select into one of the cotangent and zeros), the predicate
+#              (operand 0) complete: every device picks the same case, so the
+#              select of the terms sums to the select of the sums, exactly.
 #   "seed":    a loop accumulator's first value (its init linked to the body's
 #              carry): nothing passes (a pending init is resolved first), and
 #              the carry may be pending over any axes, ANY, until the loop's
@@ -380,7 +384,7 @@ ZERO = _Mark("ZERO")
 # sum it adds nothing (like ZERO), so the sum takes its other operands' axes
 ANY = _Mark("ANY")
 # linearities that read a literal's mark (others see every literal as None)
-READS_LITERALS = frozenset({"sum"})
+READS_LITERALS = frozenset({"sum", "select"})
 
 
 def literal_mark(val) -> _Mark | None:
@@ -404,6 +408,8 @@ def _table(linear: str, partials) -> list:
 
 def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int) -> bool:
   """Whether operand ``i``'s pending sum passes to the result of the op."""
+  if linear == "select":
+    return i > 0 and not partials[0] and lets_through("sum", partials[1:], i - 1)
   partials = _table(linear, partials)     # in a sum, ``i`` (pending) only reads live[0]
   live = [p for p in partials if p is not None]
   if linear == "unary":
@@ -419,6 +425,8 @@ def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int)
 
 def carried(linear: str, partials: Sequence[frozenset[str] | None]) -> frozenset[str]:
   """The pending axes the result inherits from its operands."""
+  if linear == "select":
+    return carried("sum", partials[1:]) if partials and not partials[0] else frozenset()
   partials = _table(linear, partials)
   live = [p for p in partials if p is not None]
   if linear == "unary" and len(live) == 1:

@@ -61,6 +61,13 @@ class Bound:
 
 # -- building the graph ------------------------------------------------------
 
+# ops that keep a zero a zero, and calls whose jaxpr's invars are their operands
+_KEEP_ZERO = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze",
+                        "expand_dims", "transpose", "copy"})
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
+                    "custom_jvp_call", "custom_vjp_call"})
+
+
 def sub_jaxprs(params: Mapping[str, Any]) -> list[tuple[tuple, Any]]:
   """(param path, open Jaxpr) for every jaxpr in an equation's params."""
   out = []
@@ -104,6 +111,9 @@ class Graph:
     # per pending lookup result, the bytes its sum costs downstream (propagation
     # fills it: partials.settle)
     self.released: dict[Tensor, float] = {}
+    # values that are all zeros (a broadcast of a literal 0: jnp.zeros, the
+    # zeros jax's transposes make): a sum or a select reads them as a ZERO
+    self.zeros: set[Tensor] = set()
     self.top = jaxpr
     self._walk(jaxpr, ())
 
@@ -121,21 +131,31 @@ class Graph:
       self.tensors[key] = t
     return t
 
-  def _walk(self, jaxpr, scope: Scope, outer_source=lambda: "") -> None:
+  def _walk(self, jaxpr, scope: Scope, outer_source=lambda: "", zero_in=()) -> None:
     # Equations jax's own code emits (inside jnp's nested jits) have no user
     # frame: they are reported at the user's call of the enclosing equation.
     for v in list(jaxpr.constvars) + list(jaxpr.invars):
       self.tensor(scope, v)
+    if zero_in and len(jaxpr.invars) > max(zero_in):
+      self.zeros.update(self.tensor(scope, jaxpr.invars[k]) for k in zero_in)
     for idx, eqn in enumerate(jaxpr.eqns):
       subs = {path: j for path, j in sub_jaxprs(eqn.params)}
       rule_fn = registry.sharding_rule(eqn.primitive.name)
       src = _lazy_source(eqn, outer_source)     # read only for reports and pins
       for v in eqn.outvars:
         self.tensor(scope, v)
+      if eqn.primitive.name in _KEEP_ZERO and eqn.invars and \
+          self.mark_of(scope, eqn.invars[0]) is factors.ZERO:
+        self.zeros.add(self.tensor(scope, eqn.outvars[0]))
+      # a call's inner invar bound to a zero is one (jnp.where(m, x, 0.0): the
+      # 0.0 enters the jit of _where, which broadcasts it)
+      inner_zero = [k for k, v in enumerate(eqn.invars)
+                    if self.mark_of(scope, v) is factors.ZERO] \
+          if eqn.primitive.name in _CALLS and len(subs) == 1 else []
       if rule_fn is None:
         self.unsupported.append((eqn.primitive.name, src()))
         for path, j in subs.items():
-          self._walk(j, scope + ((idx, path),), src)
+          self._walk(j, scope + ((idx, path),), src, inner_zero)
         continue
       in_avals = [v.aval for v in eqn.invars]
       out_avals = [v.aval for v in eqn.outvars]
@@ -144,7 +164,7 @@ class Graph:
       except NotImplementedError:   # a case the rule does not cover: no constraint
         self.unsupported.append((eqn.primitive.name, src()))
         for path, j in subs.items():
-          self._walk(j, scope + ((idx, path),), src)
+          self._walk(j, scope + ((idx, path),), src, inner_zero)
         continue
 
       def resolve(ref: Ref):
@@ -160,8 +180,7 @@ class Graph:
       def bind(c: Constraint) -> Bound:
         marks = () if c.rule.linear not in factors.READS_LITERALS else tuple(
             (k, m) for k, (kind, _, i) in enumerate(c.operands)
-            if kind == "in" and isinstance(eqn.invars[i], Literal)
-            and (m := factors.literal_mark(eqn.invars[i].val)) is not None)
+            if kind == "in" and (m := self.mark_of(scope, eqn.invars[i])) is not None)
         return Bound(c.rule, [resolve(r) for r in c.operands],
                      [resolve(r) for r in c.results], eqn, scope, marks)
 
@@ -170,7 +189,7 @@ class Graph:
 
       self.bounds += [bind(c) for c in op_rule.constraints if not reads_inner_out(c)]
       for path, j in (subs.items() if op_rule.walk_inner else ()):
-        self._walk(j, scope + ((idx, path),), src)
+        self._walk(j, scope + ((idx, path),), src, inner_zero)
       self.bounds += [bind(c) for c in op_rule.constraints if reads_inner_out(c)]
       for pin in op_rule.pins:
         t = resolve(pin.ref)
@@ -179,6 +198,13 @@ class Graph:
           self.check_mesh(dict(pin.mesh), what)
         if t is not None and not (pin.soft and t.fixed):   # a DropVar needs no sharding
           self.pin(t, pin.sharding, pin.open_dims, what)
+
+  def mark_of(self, scope: Scope, var):
+    """ZERO for a literal zero or an all-zeros value (:attr:`zeros`); None for
+    anything else."""
+    if isinstance(var, Literal):
+      return factors.literal_mark(var.val)
+    return factors.ZERO if self.tensor(scope, var) in self.zeros else None
 
   def check_mesh(self, mesh: Mapping[str, int], what: str) -> None:
     """A construct naming its own mesh (``with_sharding_constraint``, ``shard_map``)

@@ -121,7 +121,8 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   results = tuple(factors.view(g.tensor(scope, v)) for v in eqn.outvars)
   marks = rule.linear in factors.READS_LITERALS
   in_ = tuple(_In(None if v.literal else v.sharding, tuple(v.shape), v.dtype,
-                  factors.literal_mark(v.x) if marks and v.literal else None) for v in ins)
+                  (factors.literal_mark(v.x) if v.literal else g.mark_of(scope, var))
+                  if marks else None) for v, var in zip(ins, eqn.invars))
   lookup = eqn.primitive.name in LOOKUPS
   out = tuple(_Out(None if type(var).__name__ == "DropVar" else ctx.target(scope, var),
                    tuple(var.aval.shape), var.aval.dtype,
@@ -364,7 +365,8 @@ def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reductio
   _drop_inexpressible(choice, [d for v, d in zip(ins, rule.operands) if v.sharding is not None]
                       + list(rule.results), sizes, mesh)
   # A pending partial sum passes through a linear op; otherwise it is resolved.
-  partials = [v.mark if v.sharding is None else v.sharding.partial for v in ins]
+  partials = [v.mark if v.sharding is None or v.mark is not None else v.sharding.partial
+              for v in ins]
   passes = any(partials) and all(factors.lets_through(rule.linear, partials, i)
                                  for i, p in enumerate(partials) if p)
   op_dims = [None if v.sharding is None else tuple(factors.unproject(dims, choice, sizes, mesh))

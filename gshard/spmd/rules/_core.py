@@ -33,7 +33,8 @@ Dims = tuple[tuple[str, ...], ...]   # per dim, the factors (major first) it hol
 #   "first":   linear in operand 0 only, the others unpartial (float div).
 #   "seed":    a loop accumulator's first value: the result may be pending
 #              over any axes (the partitioner keeps the value on one device).
-LINEARITIES = ("none", "unary", "sum", "product", "first", "seed")
+#   "select":  select_n: its cases as "sum", the predicate (operand 0) unpartial.
+LINEARITIES = ("none", "unary", "sum", "product", "first", "seed", "select")
 
 
 @dataclasses.dataclass(frozen=True)

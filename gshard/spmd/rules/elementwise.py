@@ -51,7 +51,7 @@ register_elementwise(
     "real regularized_incomplete_beta rem round rsqrt sign sin sinh sqrt square "
     "tan tanh integer_pow zeta bessel_i0e bessel_i1e conj complex "
     "eq ne lt le gt ge eq_to le_to lt_to and or not xor shift_left shift_right_arithmetic "
-    "shift_right_logical population_count clz select_n "
+    "shift_right_logical population_count clz "
     "reduce_precision stop_gradient optimization_barrier")
 # Linear maps of their one operand: a partial sum passes through.
 # (xla_metadata_value: the value form of set_xla_metadata, an identity whose
@@ -69,6 +69,9 @@ def convert_rule(in_avals, out_avals, **params) -> FactorRule:
 
 register("convert_element_type", convert_rule)
 register_elementwise("add sub add_any", linear="sum")
+# select_n(p, x, y) of pending cases is the select of their sums: each device
+# picks its term or the other case's (a zero's: jax's transpose of a select)
+register_elementwise("select_n", linear="select")
 
 
 def div_rule(in_avals, out_avals, **params) -> FactorRule:
