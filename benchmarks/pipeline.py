@@ -320,12 +320,11 @@ def reading(b, p, mem, pod) -> str:
       + ("exactly" if weights_ok else "NOT") + " 1/K of the stack. gshard's own time for "
       f"the 64-layer pod pipeline is {min(times):.2f}-{max(times):.2f} s from "
       f"{pod[0]['devices']} to {pod[-1]['devices']} devices (flat: one SPMD program). "
-      f"With one pass, the data-parallel gradient reduction sends "
-      f"{_span(dp1)}x the bytes of one all-reduce of the stage's weights per step: the "
-      "weight gradients' accumulator stays a pending sum across the backward ticks and "
-      f"is reduced once, after them. With repeats it sends {_span(dpv)}x: each repeat's "
-      "gradient reaches its accumulator through the select that picks the repeat's "
-      "weights, which resolves the sum in every tick.")
+      f"The data-parallel gradient reduction sends {_span(dp1)}x the bytes of one "
+      f"all-reduce of the stage's weights per step with one pass, {_span(dpv)}x with "
+      "repeats: the weight gradients' accumulators stay pending sums across the backward "
+      "ticks (with repeats, through the select that picks a repeat's weights) and are "
+      "reduced once, after them.")
 
 
 def _span(xs) -> str:
