@@ -636,3 +636,19 @@ def test_an_accumulator_equals_one_device(data):
     assert not inner, body
   if n > 1:
     assert len(vector_psums(body)) == (2 if init == "pending" else 1), body
+
+
+def test_an_accumulator_times_inf_is_one_devices():
+  """The accumulated sum, then scaled by inf: resolving it after the loop and
+  after the product costs the same, so it is summed as it leaves the loop,
+  before the product: inf where one device has inf (a device whose term is 0
+  would add 0 * inf = NaN were the sum passed into the product)."""
+  def f(xs):
+    acc, _ = lax.scan(lambda c, x: (c + jnp.sum(x, axis=1), None), jnp.zeros(3), xs)
+    return acc * jnp.inf
+  xs = np.zeros((2, 3, 8), np.float32)
+  xs[0, 0, 0], xs[1, 1, 7], xs[0, 2, 0], xs[1, 2, 7] = 1.0, -1.0, 1.0, -1.0  # 1, -1, 0
+  got = gshard.partition(f, mesh((8,), ("data",)), in_specs=(P(None, None, "data"),))(xs)
+  want = jax.jit(f)(xs)
+  np.testing.assert_array_equal(np.asarray(want), [np.inf, -np.inf, np.nan])
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -379,8 +379,12 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   # slower transposed-operand matmul). Not a lookup's: where its sum goes is
   # the partitioner's choice among its plans. (A sum never leaves a loop's
   # body pending: this moves no psum into or out of a loop.)
+  # A sum leaving a scan (an accumulator's) is tried where it leaves: in the
+  # loop, resolving it costs its trip count times the bytes.
   for k, b in enumerate(graph.bounds):
-    if not reduced[k] or b.eqn.primitive.name in LOOKUPS:
+    leaves = b.eqn.primitive.name == "scan" and any(
+        o is not None and len(o.scope) > len(b.scope) for o in b.operands)
+    if not (reduced[k] or leaves) or b.eqn.primitive.name in LOOKUPS:
       continue
     for t in b.results:
       if t is None or t in resolved or not best.pending.get(t):
