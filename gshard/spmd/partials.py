@@ -409,7 +409,8 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
     if trial != alone:
       continue
     own = sum(c for u, _, c, _ in rnd.contrib[k] if u is t)
-    released[t] = max(0.0, best.total - (rnd.total - own))
+    # per run of the lookup, as the partitioner weighs its plans
+    released[t] = max(0.0, best.total - (rnd.total - own)) / index.runs[k]
   return {t: frozenset() if p is factors.ANY else p for t, p in best.pending.items()}, released
 
 

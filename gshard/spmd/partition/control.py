@@ -48,14 +48,23 @@ def _repeated(ctx: Context, n: int):
 
 
 def seed(v: Value, target: TensorSharding) -> Value:
-  """A complete value as a pending sum over ``target.partial``: kept on the
-  first device along those axes, zeros elsewhere (their sum is the value).
-  No communication."""
-  if not target.partial:
+  """``v`` as a pending sum over ``target.partial`` too: along the axes it is
+  not pending over, kept on the first device and zeros elsewhere (their sum
+  is the value). No communication."""
+  missing = target.partial - v.sharding.partial
+  if not missing:
     return v
-  first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0
-                                             for a in sorted(target.partial)])
-  return Value(jnp.where(first, v.x, jnp.zeros_like(v.x)), target, v.shape, v.dtype)
+  first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in sorted(missing)])
+  return Value(jnp.where(first, v.x, jnp.zeros_like(v.x)),
+               v.sharding.with_partial(v.sharding.partial | missing), v.shape, v.dtype)
+
+
+def _fit(ctx: Context, v: Value, s: TensorSharding, eqn, role: str) -> Value:
+  """``v`` laid out as ``s``, a pending sum over ``s.partial``: resharded
+  (which resolves axes ``s`` does not keep), then seeded over the axes ``v``
+  was not pending over (a value the partitioner made complete where
+  propagation left a sum pending: a lookup's moved table)."""
+  return seed(ctx.reshard(v, s, eqn, role), s)
 
 
 def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
@@ -72,8 +81,7 @@ def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   # a carry is pending only as an accumulator (rules.control.accumulators):
   # one psum after the loop instead of one per step
   carry_s = [ctx.target(sub, invars[nc + c]) for c in range(nk)]
-  init = [seed(ctx.reshard(ins[nc + c], s.without_partial(), eqn, f"carry {c}"), s)
-          for c, s in enumerate(carry_s)]
+  init = [_fit(ctx, ins[nc + c], s, eqn, f"carry {c}") for c, s in enumerate(carry_s)]
   x_s = [ctx.target(sub, v).without_partial() for v in invars[nc + nk:]]
   xs = [ctx.reshard(v, _stacked(s), eqn, f"xs {k}")
         for k, (v, s) in enumerate(zip(ins[nc + nk:], x_s))]
@@ -86,18 +94,21 @@ def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     args = consts + [Value(c, s, v.shape, v.dtype) for c, s, v in zip(carry, carry_s, init)]
     args += [_unstacked(v, s, xi) for v, s, xi in zip(xs, x_s, x)]
     outs = ctx.run_jaxpr(jaxpr, sub, closed.consts, args)
-    new = [ctx.reshard(o, s, eqn, f"carry {c}").x
+    new = [_fit(ctx, o, s, eqn, f"carry {c}").x
            for c, (o, s) in enumerate(zip(outs[:nk], carry_s))]
-    ys = [ctx.reshard(o, s, eqn, f"ys {k}").x
-          for k, (o, s) in enumerate(zip(outs[nk:], y_s))]
-    return new, ys
+    # a y is stacked as it comes: pending only where its value is (a lookup's
+    # plan may give complete rows where propagation left a sum pending)
+    ys = [ctx.reshard(o, s, eqn, f"ys {k}") for k, (o, s) in enumerate(zip(outs[nk:], y_s))]
+    y_made[:] = [y.sharding for y in ys]
+    return new, [y.x for y in ys]
 
+  y_made: list[TensorSharding] = list(y_s)
   with _repeated(ctx, p["length"]):
     carry, ys = lax.scan(body, [v.x for v in init], [v.x for v in xs],
                          length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
   outs = [Value(c, s, v.shape, v.dtype) for c, s, v in zip(carry, carry_s, init)]
   outs += [Value(y, _stacked(s), tuple(o.aval.shape), o.aval.dtype)
-           for y, s, o in zip(ys, y_s, eqn.outvars[nk:])]
+           for y, s, o in zip(ys, y_made, eqn.outvars[nk:])]
   return outs
 
 
