@@ -377,8 +377,9 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   # whose term is 0), and XLA fuses the ops after the psum with the update
   # (XLA:CPU also folds a transpose met before the psum into the dot, a
   # slower transposed-operand matmul). Not a lookup's: where its sum goes is
-  # the partitioner's choice among its plans. (A sum never leaves a loop's
-  # body pending: this moves no psum into or out of a loop.)
+  # the partitioner's choice among its plans. In a scan's body the trial
+  # costs the trip count times the bytes (``_Index.runs``), so a sum that an
+  # accumulator carries out of the loop stays pending there.
   # A sum leaving a scan (an accumulator's) is tried where it leaves: in the
   # loop, resolving it costs its trip count times the bytes.
   for k, b in enumerate(graph.bounds):
