@@ -480,3 +480,41 @@ def test_one_annotation_reaches_the_whole_chain(case):
   values = [res.jaxpr.jaxpr.invars[0]] + [
       e.outvars[0] for e in res.jaxpr.jaxpr.eqns if e.primitive is not annotate_p]
   assert [str(res.sharding(v)) for v in values] == [str(w) for w in want]
+
+
+# -- the trial overlay of the partial-sum marking -------------------------------
+
+_OPS = st.lists(st.tuples(st.sampled_from(("set", "pop", "push", "land")),
+                          st.integers(0, 5), st.integers(0, 9)), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(0, 5), st.integers(0, 9), max_size=6), _OPS)
+def test_overlay_reads_as_the_dict_it_stands_for(base, ops):
+  """Trials stacked over a dict (``partials._follow`` over a round, a
+  ``_settle`` round over another) read as a plain dict with the same writes;
+  ``copy`` leaves the state as it was; ``land`` writes every trial through to
+  the dict at the bottom and keeps reading the same."""
+  from gshard.spmd import overlay
+  root = dict(base)
+  view, model = root, dict(base)
+  for op, k, v in ops:
+    if op == "set":
+      view[k] = v
+      model[k] = v
+    elif op == "pop":
+      assert view.pop(k, -1) == model.pop(k, -1)
+    elif op == "push":
+      view = overlay.Overlay(view)
+    else:
+      view = overlay.land(view)
+      assert view is root
+    for j in range(6):
+      assert (j in view) == (j in model)
+      assert view.get(j, -1) == model.get(j, -1)
+      if j in model:
+        assert view[j] == model[j]
+    before = dict(root)
+    assert overlay.copy(view) == model
+    assert root == before
+  assert overlay.land(view) is root and root == model

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from gshard.spmd import factors
+from gshard.spmd import factors, overlay
 from gshard.spmd.graph import Bound, Graph, Tensor, sub_jaxprs
 from gshard.spmd.reshard import allreduce_bytes
 
@@ -52,6 +52,12 @@ class _Round:
   downstream: dict[Tensor, float]
   feeds: dict[Tensor, frozenset[Tensor]]
   contrib: list
+
+
+def _landed(rnd: _Round) -> _Round:
+  """A kept trial's round, its writes applied to the state it read through."""
+  return _Round(overlay.land(rnd.pending), rnd.total, overlay.land(rnd.downstream),
+                overlay.land(rnd.feeds), overlay.land(rnd.contrib))
 
 
 def _psum_cost(t: Tensor, axes, mesh) -> float:
@@ -160,11 +166,12 @@ def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
     pending, feeds, downstream, total = {}, {}, {}, 0.0
     contrib: list = []
   else:
-    pending, feeds = dict(base.pending), dict(base.feeds)
-    downstream, total = dict(base.downstream), base.total
-    contrib = base.contrib[:start]
+    pending, feeds = overlay.copy(base.pending), overlay.copy(base.feeds)
+    downstream, total = overlay.copy(base.downstream), base.total
+    old = overlay.copy(base.contrib)
+    contrib = old[:start]
     redo: set[Tensor] = set()
-    for recs in base.contrib[start:]:
+    for recs in old[start:]:
       redo.update(t for t, *_ in recs)
       total = _book(recs, downstream, total, -1.0)
     for t in redo:           # back to what the bounds before ``start`` left
@@ -173,7 +180,7 @@ def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
       for k in index.producers[t]:
         if k >= start:
           break
-        for u, q, cost, anc in base.contrib[k]:
+        for u, q, cost, anc in old[k]:
           if u is t:
             pending[t] = q if t not in pending else _meet(pending[t], q)
             if pending[t]:
@@ -251,9 +258,11 @@ def _follow(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
   if not fresh <= index.regular:
     return None
   mesh = graph.mesh_sizes
-  pending, feeds = dict(base.pending), dict(base.feeds)
-  downstream, total = dict(base.downstream), base.total
-  contrib = list(base.contrib)
+  # the trial's writes only, over base's state (copying it made each trial
+  # cost the program's size)
+  pending, feeds = overlay.Overlay(base.pending), overlay.Overlay(base.feeds)
+  downstream, total = overlay.Overlay(base.downstream), base.total
+  contrib = overlay.Overlay(base.contrib)
   todo = sorted({index.producers[t][0] for t in fresh if t in index.producers})
   queued = set(todo)
   touched: set[Tensor] = set()
@@ -343,7 +352,7 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   index = _Index(graph)
   resolved = {graph.tensor((), v) for v in graph.top.outvars} - {None}
   reduced = [factors.reduced_axes(b.rule, b.operands, mesh) for b in graph.bounds]
-  best = _settle(graph, resolved, reduced, index)
+  best = _landed(_settle(graph, resolved, reduced, index))
   last = best.pending      # the values pending after the latest trial, kept or not
   order = {t: k for k, t in enumerate(graph.tensors.values())}   # deterministic
   tried: set[Tensor] = set()
@@ -355,21 +364,23 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
       psum[k] = _psum_cost(t, axes, mesh)
     return psum[k]
   for _ in range(max_trials):
-    gains = sorted((-(best.downstream[t] - cost(t, last[t])), order[t], t)
-                   for t in best.downstream if t not in tried and last.get(t))
-    gains = [t for g, _, t in gains if g < 0]
+    gains = []
+    for t, down in best.downstream.items():
+      p = last.get(t)
+      if p and t not in tried and cost(t, p) < down:
+        gains.append((cost(t, p) - down, order[t], t))
+    gains.sort()
     # Only the most upstream candidates: resolving one settles its descendants.
-    candidates = set(gains)
-    roots = [t for t in gains if not best.feeds.get(t, frozenset()) & candidates]
-    if not roots:
+    candidates = {t for *_, t in gains}
+    t = next((t for *_, t in gains if not best.feeds.get(t, frozenset()) & candidates), None)
+    if t is None:
       break
-    t = roots[0]
     tried.add(t)
     trial = set(resolved) | {t}
     rnd = _settle(graph, trial, reduced, index, best, {t})
     last = rnd.pending
     if rnd.total < best.total:
-      resolved, best = trial, rnd
+      resolved, best = trial, _landed(rnd)
   # A sum passed on only to be resolved further down at the same bytes is
   # resolved where it is made: a bias gradient scaled by the learning rate, a
   # weight gradient jax transposes after its dot. Summed before what follows,
@@ -379,9 +390,8 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   # slower transposed-operand matmul). Not a lookup's: where its sum goes is
   # the partitioner's choice among its plans. In a scan's body the trial
   # costs the trip count times the bytes (``_Index.runs``), so a sum that an
-  # accumulator carries out of the loop stays pending there.
-  # A sum leaving a scan (an accumulator's) is tried where it leaves: in the
-  # loop, resolving it costs its trip count times the bytes.
+  # accumulator carries out of the loop stays pending there; it is tried
+  # where it leaves the scan.
   for k, b in enumerate(graph.bounds):
     leaves = b.eqn.primitive.name == "scan" and any(
         o is not None and len(o.scope) > len(b.scope) for o in b.operands)
@@ -393,7 +403,7 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
       trial = set(resolved) | {t}
       rnd = _settle(graph, trial, reduced, index, best, {t})
       if rnd.total <= best.total:
-        resolved, best = trial, rnd
+        resolved, best = trial, _landed(rnd)
   released = {}
   for k, b in enumerate(graph.bounds):
     t = b.results[0] if b.results else None
