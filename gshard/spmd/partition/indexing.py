@@ -266,11 +266,11 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     fixed = dataclasses.replace(vals[1], x=jnp.stack(comps, axis=-1).astype(idx_x.dtype))
     return bind_local(ctx, eqn.replace(params={**eqn.params, "mode": drop}), plan,
                       [vals[0], fixed, vals[2]])
-  # Each update that lands outside this device's rows goes to a trash row one
-  # past the block (padded here, sliced off after): every index is in bounds,
-  # which XLA needs (it has been seen to misplace out-of-bounds scatter
-  # updates once the scatter is fused with the padding of its operand).
-  x = vals[0].x
+  # Each update that lands outside this device's rows is sent out of bounds,
+  # where the scatter drops it. The operand is a barrier's: XLA (jaxlib
+  # 0.10.2) has been seen to misplace out-of-bounds updates once the scatter
+  # is fused with the padding of its operand (an uneven split's).
+  x = lax.optimization_barrier(vals[0].x)
   for d, axes, local, offset in split:
     k = sdims.index(d)
     g = comps[k]
@@ -279,12 +279,9 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     if real is not None:         # a padding row of unevenly split indices
       ok = ok & real
     comps[k] = jnp.where(ok, loc, local)
-    x = lax.pad(x, jnp.zeros((), x.dtype), [(0, int(i == d), 0) for i in range(x.ndim)])
   new_idx = jnp.stack(comps, axis=-1).astype(idx_x.dtype)
-  fixed = dataclasses.replace(vals[1], x=new_idx)
   eqn2 = eqn.replace(params={**eqn.params, "mode": drop})
-  y = eqn2.primitive.bind(x, fixed.x, vals[2].x, **eqn2.params)
-  y = y[tuple(slice(0, n) for n in np.shape(vals[0].x))]
+  y = eqn2.primitive.bind(x, new_idx, vals[2].x, **eqn2.params)
   out = eqn.outvars[0]
   return [Value(y, plan.results[0], tuple(out.aval.shape), out.aval.dtype)]
 
