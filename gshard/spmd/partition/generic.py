@@ -194,9 +194,56 @@ def generic_rule(ctx: Context, eqn, ins, scope, idx, *,
     return safe_rule(ctx, eqn, ins, scope, idx)
   if ctx.all_replicated(eqn, ins, scope):   # nothing split or pending: the op as written
     return _bind_whole(eqn, [v.x for v in ins])
+  same = _one_layout(ctx, eqn, ins, scope)
+  if same is not None and bind is None:
+    return _bind_in_place(ctx, eqn, ins, same)
   plan = plan_local(ctx, eqn, ins, scope)
   return bind_local(ctx, eqn, plan, ins, windowed_einsum.choose(ctx, eqn, plan, ins, scope),
                     bind=bind)
+
+
+def _one_layout(ctx: Context, eqn, ins: list[Value], scope) -> TensorSharding | None:
+  """The layout every operand arrives in and every result is wanted in, for
+  an op whose factors pass dim for dim from operands to results (elementwise:
+  ``add``, ``mul``, ``select_n``, ``convert_element_type``), nothing pending
+  and no factor blocked: its local plan is the op on the blocks as they are
+  (what ``plan_local`` would find, without weighing). None otherwise."""
+  rule = factor_rule_of(eqn)
+  if rule.reduction or rule.other_reduction or rule.blocked:
+    return None
+  dims = rule.results[0]
+  if any(r != dims for r in rule.results) or any(o and o != dims for o in rule.operands):
+    return None
+  same = None
+  for v, o in zip(ins, rule.operands):
+    if v.literal:
+      continue
+    if v.sharding.partial:
+      return None
+    if o:                    # a scalar operand is whole on every device
+      if same is not None and v.sharding != same:
+        return None
+      same = v.sharding
+  if same is None:
+    return None
+  for var in eqn.outvars:
+    if type(var).__name__ != "DropVar" and ctx.target(scope, var) != same:
+      return None
+  return same
+
+
+def _bind_in_place(ctx: Context, eqn, ins: list[Value], same: TensorSharding) -> list[Value]:
+  """The op on the local blocks of one layout; its results in that layout."""
+  xs = [v.x for v in ins]
+  out = same.local_shape(tuple(eqn.outvars[0].aval.shape), ctx.mesh_sizes)
+  params = local_params(eqn, [out] * len(eqn.outvars), [tuple(np.shape(x)) for x in xs])
+  outs = eqn.primitive.bind(*xs, **params)
+  outs = list(outs) if eqn.primitive.multiple_results else [outs]
+  for o in outs:
+    if tuple(np.shape(o)) != out:
+      raise AssertionError(f"gshard internal error: {eqn.primitive.name} gave local shape "
+                           f"{tuple(np.shape(o))}, expected {out} for sharding {same}.")
+  return [Value(o, same, tuple(v.aval.shape), v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
 
 
 def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
