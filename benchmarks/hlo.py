@@ -22,6 +22,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 _DTYPE_BYTES = {
     "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
     "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
@@ -192,3 +194,79 @@ def distinct_kernels(hlo_text: str) -> int:
                       .removeprefix("ROOT ") for x in comps[m.group(2)])
         kinds.add(m.group(1) + "\n" + "\n".join(body))
   return len(kinds)
+
+
+def replica_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...] | None:
+  """The device groups of one collective instruction line, whichever way XLA
+  spells them (explicit, iota ``[G,S]<=[dims]T(perm)``, or
+  ``mesh['a'=2,'b'=4] {'b'}``), sorted; None if the line names none."""
+  m = re.search(r"replica_groups=", line)
+  if m is None:
+    return None
+  rest = line[m.end():]
+  if rest.startswith("{"):
+    body = rest[1:_balanced(rest, 0) - 1]
+    groups = [tuple(int(t) for t in g.split(",") if t.strip())
+              for g in re.findall(r"\{([0-9,\s]*)\}", body)]
+    groups = [g for g in groups if g] or [tuple(range(num_devices))]
+  elif rest.startswith("["):
+    shape = [int(t) for t in rest[1:rest.index("]")].split(",")]
+    after = rest[rest.index("<=[") + 3:]
+    dims = [int(t) for t in after[:after.index("]")].split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    perm = re.match(r"\]T\(([0-9,]+)\)", after[after.index("]"):])
+    if perm:
+      ids = ids.transpose([int(t) for t in perm.group(1).split(",")])
+    groups = [tuple(g) for g in ids.reshape(shape).tolist()]
+  elif rest.startswith("mesh"):
+    names_sizes = re.findall(r"'([^']+)'=(\d+)", rest[:rest.index("]") + 1])
+    after = rest[rest.index("]") + 1:].lstrip()
+    chosen = after[1:_balanced(after, 0) - 1] if after.startswith("{") else ""
+    # each axis split into (pre, size, post) parts; the chosen parts form a group
+    shape, keep = [], []
+    picks = {}
+    for name, pre, sub in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", chosen):
+      picks.setdefault(name, []).append((int(pre), int(sub)) if sub else None)
+    for name, size in names_sizes:
+      size = int(size)
+      sel = picks.get(name)
+      if not sel or sel == [None]:
+        shape.append(size)
+        keep.append(bool(sel))
+        continue
+      (pre, sub), = sel
+      parts = [pre, sub, size // (pre * sub)]
+      shape.extend(parts)
+      keep.extend([False, True, False])
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    order = [i for i, k in enumerate(keep) if not k] + [i for i, k in enumerate(keep) if k]
+    size = int(np.prod([n for n, k in zip(shape, keep) if k]))
+    groups = [tuple(g) for g in ids.transpose(order).reshape(-1, size).tolist()]
+  else:
+    return None
+  return tuple(sorted(tuple(sorted(g)) for g in groups))
+
+
+_GROUPS = re.compile(r", replica_groups=(?:\{(?:\{[0-9,\s]*\},?\s*)*\}|\[[0-9,]+\]<=\[[0-9,]+\]"
+                     r"(?:T\([0-9,]+\))?|mesh\[[^\]]*\]\s*\{[^}]*\})")
+
+
+def canonical(hlo_text: str, num_devices: int = 0) -> list[str]:
+  """Every instruction of a compiled module, names, metadata and channel ids
+  removed, sorted:
+  two modules with the same list run the same kernels and collectives."""
+  out = []
+  for line in hlo_text.split("\n"):
+    if not line.startswith("  ") or " = " not in line:
+      continue
+    x = re.sub(r", metadata=\{.*?\}|, channel_id=\d+", "", line.strip()).removeprefix("ROOT ")
+    groups = replica_groups(x, num_devices)
+    if groups is not None:     # one spelling of the device groups
+      x = _GROUPS.sub("", x) + f", groups={groups}"
+    out.append(re.sub(r"%[\w.\-]+", "%", x.split(" = ", 1)[1]))
+  return sorted(out)
+
+
+def same_program(a: str, b: str, num_devices: int) -> bool:
+  """Whether two compiled modules hold the same instructions (see :func:`canonical`)."""
+  return canonical(a, num_devices) == canonical(b, num_devices)

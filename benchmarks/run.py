@@ -263,6 +263,7 @@ class Result:
   overhead: dict[str, float]
   compile_s: float
   outputs: object = None
+  same_as_gspmd: bool = False     # the same compiled instructions as GSPMD's
 
   @property
   def step_ms(self) -> float:
@@ -344,7 +345,7 @@ def measure(case: Case, runs: int, min_seconds: float = 8.0) -> tuple[Result, Re
     _block(base(*placed))
     b_times.append(time.perf_counter() - t0)
   return (Result("gshard", sum(c.bytes_sent for c in g_cols), g_cols, g_times, g_mem,
-                 g_parts, g_over, g_compile, g_out),
+                 g_parts, g_over, g_compile, g_out, hlo.same_program(g_hlo, b_hlo, n)),
           Result("GSPMD", sum(c.bytes_sent for c in b_cols), b_cols, b_times, b_mem,
                  b_parts, b_over, b_compile, b_out))
 
@@ -408,7 +409,8 @@ def bars(rows) -> list[tuple[str, str, bool, str]]:
                   f"{100 * d / mn:+.2f}%)"))
     ratio = g.step_ms / b.step_ms
     out.append((case.name, "step time within 10% of GSPMD", ratio <= 1.10,
-                f"{g.step_ms:.2f} ms vs {b.step_ms:.2f} ms ({ratio:.3f}x)"))
+                f"{g.step_ms:.2f} ms vs {b.step_ms:.2f} ms ({ratio:.3f}x)"
+                + ("; the same compiled program as GSPMD's" if g.same_as_gspmd else "")))
     out.append((case.name, "own overhead < XLA compile", gshard_overhead(g) < g.compile_s,
                 f"{gshard_overhead(g):.2f} s vs {g.compile_s:.2f} s"))
   return out

@@ -124,6 +124,27 @@ def test_hlo_parser_kinds_groups_and_bytes():
   ]
 
 
+
+def test_hlo_replica_groups_in_every_spelling():
+  """Explicit, iota (transposed or not) and named-mesh groups read as the same
+  device sets; ``same_program`` compares modules modulo names, channel ids and
+  how XLA spelled the groups."""
+  lines = {k.split(" = ")[0].strip().removeprefix("ROOT "): k for k in _HLO.splitlines()
+           if "replica_groups" in k}
+  g = lambda name: hlo.replica_groups(lines[name], 8)     # noqa: E731
+  assert g("%ar") == ((0, 4), (1, 5), (2, 6), (3, 7))
+  assert g("%art") == ((0, 1, 2, 3), (4, 5, 6, 7))
+  assert g("%am") == ((0, 1, 2, 3), (4, 5, 6, 7))
+  assert g("%rs") == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert g("%ars") == (tuple(range(8)),)
+  sub = "x = f32[4] all-reduce(%p), replica_groups=mesh['a'=2,'b'=4] {'b':(1)2}, to_apply=%add"
+  # 'b':(1)2: the major half of b (b = 2 x 2, the first factor)
+  assert hlo.replica_groups(sub, 8) == ((0, 2), (1, 3), (4, 6), (5, 7))
+  explicit = _HLO.replace("replica_groups=[2,4]<=[8]", "replica_groups={{0,1,2,3},{4,5,6,7}}")
+  assert hlo.same_program(_HLO, explicit.replace("channel_id=2", "channel_id=9"), 8)
+  assert not hlo.same_program(_HLO, _HLO.replace("replica_groups=[2,4]<=[8], to",
+                                                 "replica_groups=[4,2]<=[8], to"), 8)
+
 def test_hlo_parser_on_a_compiled_program(mesh):
   f = jax.jit(lambda x: x.sum(0), in_shardings=NamedSharding(mesh, P(("data", "model"))))
   text = f.lower(jnp.ones((8, 256))).compile().as_text()
