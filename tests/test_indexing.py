@@ -701,3 +701,25 @@ def test_a_scatter_into_a_padded_uneven_block_drops_what_is_not_its_own():
     i, u = np.asarray(idx, np.int32), np.ones((len(idx), 1), np.float32)
     np.testing.assert_array_equal(np.asarray(gshard.unpad(step(x, i, u))),
                                   np.asarray(jax.jit(fn)(x, i, u)))
+
+
+@pytest.mark.parametrize("rows,start,mode", [(8, 1, "drop"), (8, 7, "drop"), (7, 5, "clip"),
+                                             (8, -1, "drop"), (6, 3, "clip")])
+def test_a_window_scatter_along_a_split_dim_equals_one_device(rows, start, mode):
+  """A scatter whose scattered dim is a window dim (a 2-row window added at
+  a traced start, ``dynamic_update_slice``-like): where the window lands
+  depends on the index, so the dim is not computed split (found by review:
+  each device added the window at the start within its own block)."""
+  m = mesh((2, 4), ("x", "y"))
+  dn = lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(),
+                                   scatter_dims_to_operand_dims=(0,))
+  gmode = {"drop": lax.GatherScatterMode.FILL_OR_DROP, "clip": lax.GatherScatterMode.CLIP}[mode]
+
+  def fn(a, i, u):
+    a = gshard.shard(a, P(("x", "y"), None))
+    return lax.scatter_add(a, i, u, dn, mode=gmode)
+  a = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+  i, u = np.array([[start]], np.int32), 10 * np.ones((1, 2, 3), np.float32)
+  step = gshard.partition(fn, m, in_specs=(None, None, None))
+  np.testing.assert_array_equal(np.asarray(gshard.unpad(step(a, i, u))),
+                                np.asarray(jax.jit(fn)(a, i, u)))

@@ -198,6 +198,40 @@ def test_ops_in_one_layout_emit_what_the_plan_search_emits(shape, names, monkeyp
   assert per_device() == fast
 
 
+
+@pytest.mark.parametrize("shape", [(1, 4), (3, 4), (7, 4)])
+def test_ops_in_an_over_split_layout_emit_what_the_plan_search_emits(shape, monkeypatch):
+  """A dim split into more blocks than it has rows (pinned by an annotation):
+  the plan search gathers it, and so does the one-layout path (found by
+  review: it kept a 1-row dim split over 2 devices)."""
+  from gshard.spmd.partition import generic
+  m = mesh((2, 4), ("x", "y"))
+  fn = lambda a: gshard.shard(a, P(("x", "y"))) * 2.0     # noqa: E731
+  a = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+
+  def per_device():
+    step = gshard.partition(fn, m, in_specs=(P(("x", "y")),))
+    np.testing.assert_array_equal(np.asarray(gshard.unpad(step(a))), 2.0 * a)
+    low = step.lower(a)
+    return str(low.per_device_jaxpr()), low.collectives()
+  fast = per_device()
+  monkeypatch.setattr(generic, "_one_layout", lambda *a: None)
+  assert per_device() == fast
+
+
+def test_an_optimization_barrier_of_values_of_several_shapes():
+  """``lax.optimization_barrier((a, a.sum()))``: each result is its own
+  operand (found by review: its rule took every value for the first one's
+  shape and raised)."""
+  m = mesh((2, 4), ("x", "y"))
+
+  def fn(a):
+    y, s = lax.optimization_barrier((a, a.sum()))
+    return y + s
+  a = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+  step = gshard.partition(fn, m, in_specs=(P("x"),), strict=True)
+  np.testing.assert_array_equal(np.asarray(step(a)), np.asarray(jax.jit(fn)(a)))
+
 # -- the API contract -----------------------------------------------------------
 
 def test_second_call_same_shapes_does_not_retrace():

@@ -226,6 +226,9 @@ def _one_layout(ctx: Context, eqn, ins: list[Value], scope) -> TensorSharding | 
       same = v.sharding
   if same is None:
     return None
+  shape = eqn.outvars[0].aval.shape
+  if any(ctx.num_shards(a) > n for a, n in zip(same.dims, shape) if a):
+    return None              # more blocks than rows: the plan search gathers the dim
   for var in eqn.outvars:
     if type(var).__name__ != "DropVar" and ctx.target(scope, var) != same:
       return None

@@ -11,7 +11,7 @@ import functools
 import jax.numpy as jnp
 
 from gshard.spmd.registry import register
-from gshard.spmd.rules._core import FactorRule, factor_rule, letters, shapes
+from gshard.spmd.rules._core import FactorRule, Factors, factor_rule, letters, shapes
 
 
 def elementwise_rule(in_avals, out_avals, *, linear: str = "none", **params) -> FactorRule:
@@ -52,7 +52,7 @@ register_elementwise(
     "tan tanh integer_pow zeta bessel_i0e bessel_i1e conj complex "
     "eq ne lt le gt ge eq_to le_to lt_to and or not xor shift_left shift_right_arithmetic "
     "shift_right_logical population_count clz "
-    "reduce_precision stop_gradient optimization_barrier")
+    "reduce_precision stop_gradient")
 # Linear maps of their one operand: a partial sum passes through.
 # (xla_metadata_value: the value form of set_xla_metadata, an identity whose
 # lowering tags the op that produced its operand.)
@@ -86,3 +86,15 @@ def div_rule(in_avals, out_avals, **params) -> FactorRule:
 # device's 0 * inf into NaN where one device has +-inf: see the README).
 register_elementwise("mul", linear="product")
 register("div", div_rule)
+
+
+def barrier_rule(in_avals, out_avals, **params) -> FactorRule:
+  """``optimization_barrier`` of several values: each result is its operand
+  (``ab,->ab,``), whatever their shapes."""
+  del params
+  new = Factors()
+  dims = [[(new(n),) for n in s] for s in shapes(in_avals)]
+  return new.rule(dims, dims)
+
+
+register("optimization_barrier", barrier_rule)

@@ -77,8 +77,9 @@ def scatter_rule(in_avals, out_avals, *, dimension_numbers, kind: str,
   for d, u in zip(window_op, dn.update_window_dims):
     if upd_shape[u] == op_shape[d]:
       upd[u] = op[d]
-    else:
+    else:   # a window narrower than the dim: where it lands depends on the index
       upd[u] = (fresh(upd_shape[u], blocked=True),)
+      op[d] = (fresh(op_shape[d], blocked=True),)
   return fresh.rule([op, idx, upd], [op])
 
 
