@@ -162,31 +162,6 @@ def test_embedding_sgd_step_keeps_the_table_split():
   assert "all_gather" not in kinds(step.lower(table, tokens))
 
 
-def test_a_tied_tables_two_gradients_are_summed_where_they_meet():
-  """A table both looked up and contracted with (a tied embedding): its two
-  gradients, a scatter-add and a dot, each a pending sum over the batch's
-  axis, are summed once where they meet, before the update scales them (the
-  same bytes as after; one device's order, and XLA fuses the update)."""
-  m = mesh(*M24)
-  table, tokens = embed_args(64, seed=5)
-
-  def step_fn(t, k):
-    def loss(t):
-      h = jnp.tanh(t[k])                              # [8, 12, F]
-      return jnp.mean((h @ t.T) ** 2)                 # logits over the vocabulary
-    value, g = jax.value_and_grad(loss)(t)
-    return t - 0.3 * g, value
-
-  step = gshard.partition(step_fn, m, in_specs=(P("model"), P("data")),
-                          out_specs=(P("model"), P()))
-  check_steps(step, jax.jit(step_fn), jax.jit(step_fn), (table,), (tokens,),
-              n=8 * 12 * 64)
-  eqns = list(eqns_of(step.lower(table, tokens).per_device_jaxpr()))
-  made = {v: e for e in eqns for v in e.outvars}
-  sums = [e for e in eqns if e.primitive.name == "psum" and e.outvars[0].aval.shape == (16, FEAT)]
-  assert [made[e.invars[0]].primitive.name for e in sums] == ["add_any"], sums
-
-
 def _small_ints(rng, shape, dtype, low=-3, high=4):
   """Small integers: every product and sum below is exact in f32, so a
   partitioned run must equal one device's bit for bit, in any order."""

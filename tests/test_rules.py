@@ -578,10 +578,9 @@ K_SPLIT = (P(None, "model"), P("model"))
      [("dot_general", "[_,_]"), ("mul", "[_,_]"), ("neg", "[_,_]")]),
     ("through reduce_sum", lambda x, w: -jnp.sum(x @ w, 0),
      [("dot_general", "[_,_]+model"), ("reduce_sum", "[_]+model"), ("neg", "[_]")]),
-    # summed where the two meet: the same bytes as after the neg, one device's order
     ("two pending sums add", lambda x, w: -((x @ w) + (x @ w * 2.0)),
      [("dot_general", "[_,_]+model"), ("dot_general", "[_,_]+model"),
-      ("mul", "[_,_]+model"), ("add", "[_,_]"), ("neg", "[_,_]")]),
+      ("mul", "[_,_]+model"), ("add", "[_,_]+model"), ("neg", "[_,_]")]),
     # not linear: resolved where produced
     ("not through exp", lambda x, w: jnp.exp(x @ w),
      [("dot_general", "[_,_]"), ("exp", "[_,_]")]),

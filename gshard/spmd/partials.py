@@ -390,12 +390,12 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   # slower transposed-operand matmul). Not a lookup's: where its sum goes is
   # the partitioner's choice among its plans. In a scan's body the trial
   # costs the trip count times the bytes (``_Index.runs``), so a sum that an
-  # accumulator carries out stays pending there; it is tried where it leaves
-  # the scan. Sums that meet (a tied embedding's two gradients) are tried there.
+  # accumulator carries out of the loop stays pending there; it is tried
+  # where it leaves the scan.
   for k, b in enumerate(graph.bounds):
-    name = b.eqn.primitive.name
-    if not (reduced[k] or name in _SUM_NODES or name == "scan" and any(
-        o is not None and len(o.scope) > len(b.scope) for o in b.operands)) or name in LOOKUPS:
+    leaves = b.eqn.primitive.name == "scan" and any(
+        o is not None and len(o.scope) > len(b.scope) for o in b.operands)
+    if not (reduced[k] or leaves) or b.eqn.primitive.name in LOOKUPS:
       continue
     for t in b.results:
       if t is None or t in resolved or not best.pending.get(t):
