@@ -88,7 +88,10 @@ Where the interquartile ranges of the two systems overlap, treat the ratio as "n
 measurable difference". Over five runs while this was written (load averages 6-16,
 25 steps each), the Transformer ratio was between 0.99 and 1.05 and the MLP ratios
 between 0.8 and 1.16. The sign flipped between runs, so a single run that misses the
-10% bar says nothing on its own. gshard's timings also include its Python dispatch
+10% bar says nothing on its own. For the two MLPs the bars above say more: XLA
+compiled gshard's program into GSPMD's, instruction for instruction
+(`benchmarks/hlo.py` `same_program`: names, channel ids and the spelling of device
+groups aside), so their ratio is 1 up to noise. gshard's timings also include its Python dispatch
 (`Partitioned.__call__` looks up the signature cache and `device_put`s each leaf;
 the inputs are already placed, so nothing moves). This matters only for the
 millisecond-scale MLP steps.
