@@ -271,7 +271,8 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   # Each update that lands outside this device's rows is sent out of bounds,
   # where the scatter drops it. The operand is a barrier's: XLA (jaxlib
   # 0.10.2) has been seen to misplace out-of-bounds updates once the scatter
-  # is fused with the padding of its operand (an uneven split's).
+  # is fused with a pad that makes its operand (a user's pad, or an uneven
+  # split's; found with even splits too).
   x = lax.optimization_barrier(vals[0].x)
   for d, axes, local, offset in split:
     k = sdims.index(d)
