@@ -46,7 +46,8 @@ def register_elementwise(names: str, linear: str = "none") -> None:
 # Nonlinear maps: a pending partial sum must be resolved before them.
 register_elementwise(
     "abs acos acosh asin asinh atan atan2 atanh cbrt ceil clamp cos cosh "
-    "digamma erf erf_inv erfc exp exp2 expm1 floor igamma igammac imag is_finite "
+    "digamma erf erf_inv erfc exp exp2 expm1 floor igamma igamma_grad_a igammac imag "
+    "is_finite "
     "lgamma log log1p logistic max min nextafter polygamma pow random_gamma_grad "
     "real regularized_incomplete_beta rem round rsqrt sign sin sinh sqrt square "
     "tan tanh integer_pow zeta bessel_i0e bessel_i1e conj complex "

@@ -29,6 +29,8 @@ from gshard.spmd.rules._core import FactorRule, Factors, shapes
 MATRIX_CORE = {
     "cholesky": 2, "eigh": 2, "eig": 2, "qr": 2, "svd": 2, "lu": 2,
     "triangular_solve": 2, "lu_pivots_to_permutation": 1, "tridiagonal_solve": 1,
+    "schur": 2, "hessenberg": 2, "tridiagonal": 2, "symmetric_product": 2,
+    "cholesky_update": 2,
 }
 
 

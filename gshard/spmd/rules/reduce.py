@@ -2,7 +2,8 @@
 
 ``reduce_sum`` over a split dim leaves a pending partial sum (a ``sum``
 factor); ``reduce_max``/``argmax`` ... over a split dim need a cross-device
-reduction of their own kind (``reduce`` factors). Cumulative ops and sorts
+reduction of their own kind (``reduce`` factors). Cumulative ops, sorts,
+``top_k``/``approx_top_k`` and a ``lax.reduce`` of the user's own computation
 block their dim.
 """
 
@@ -53,6 +54,34 @@ def top_k_rule(in_avals, out_avals, **params) -> FactorRule:
                      blocked="yz")
 
 
+def approx_top_k_rule(in_avals, out_avals, *, reduction_dimension, **params) -> FactorRule:
+  """``approx_max_k(f32[4,50], k=2)``: ``ab->aC,aC`` with ``b`` and ``C`` blocked.
+  The reduced dim is whole on each device, so each row's result (exact or
+  approximate) is the one the whole operand gives."""
+  del params
+  rank = len(in_avals[0].shape)
+  dim = reduction_dimension % rank
+  f = letters(rank + 1)
+  ins, out = f[:rank], f[:dim] + f[rank] + f[dim + 1:rank]
+  return factor_rule(f"{ins}->{out},{out}", shapes(in_avals), shapes(out_avals),
+                     blocked=f[dim] + f[rank])
+
+
+def variadic_reduce_rule(in_avals, out_avals, *, dimensions, **params) -> FactorRule:
+  """``lax.reduce`` with a computation of its own (several operands, one init
+  value each): ``ab,ab,,->a,a`` with the reduced ``b`` blocked. A split reduced
+  dim is gathered: the computation is the user's, so partial results are not
+  combined across devices (the order of combining could change the values)."""
+  del params
+  n = len(out_avals)
+  rank = len(in_avals[0].shape)
+  f = letters(rank)
+  out = "".join(c for i, c in enumerate(f) if i not in dimensions)
+  spec = ",".join([f] * n + [""] * n) + "->" + ",".join([out] * n)
+  return factor_rule(spec, shapes(in_avals), shapes(out_avals),
+                     blocked="".join(f[i] for i in dimensions))
+
+
 register("reduce_sum", functools.partial(reduce_rule, kind="sum"))
 for _name in ("reduce_max", "reduce_min", "reduce_and", "reduce_or"):
   register(_name, functools.partial(reduce_rule, kind=_name), partition=partition.combine_rule)
@@ -66,3 +95,5 @@ register("cumprod cummax cummin cumlogsumexp",
          functools.partial(along_dim_rule, dim_param="axis"))
 register("sort", functools.partial(along_dim_rule, dim_param="dimension"))
 register("top_k", top_k_rule)
+register("approx_top_k", approx_top_k_rule)
+register("reduce", variadic_reduce_rule)
