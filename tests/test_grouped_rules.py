@@ -231,6 +231,13 @@ LINALG = {
     "tridiagonal": lambda a: lax.linalg.tridiagonal(a + jnp.swapaxes(a, -1, -2)),
     "symmetric_product": lambda a: lax.linalg.symmetric_product(a, a, alpha=2.0, beta=0.5),
     "schur": lambda a: jax.vmap(jax.scipy.linalg.schur)(a.reshape(-1, *a.shape[-2:])),
+    "qr raw (geqrf)": lambda a: jnp.linalg.qr(a, mode="raw"),
+    "slogdet by qr (geqrf)": lambda a: jnp.linalg.slogdet(a, method="qr"),
+    "qr_multiply (geqrf, ormqr)": lambda a: jax.vmap(jax.scipy.linalg.qr_multiply)(a, a[..., 0]),
+    "qr_multiply pivoting (geqp3, ormqr)": lambda a: jax.vmap(
+        lambda m: jax.scipy.linalg.qr_multiply(m, m[0], pivoting=True))(a),
+    "hessenberg with q (householder_product)": lambda a: jax.vmap(
+        lambda m: jax.scipy.linalg.hessenberg(m, calc_q=True))(a),
 }
 
 

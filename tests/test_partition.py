@@ -332,68 +332,77 @@ def test_donate_argnums_runs_and_donates():
 # -- the safe path ------------------------------------------------------------
 
 def _pair_max(a, b):
-  return jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])
+  return jnp.maximum(a, b).max(axis=1)
 
 
-def _reduce_program(x):
+# lax.composite: an op XLA backends may match by name, lowered as its
+# decomposition; gshard keeps it whole (no rule)
+_PAIR_MAX = lax.composite(_pair_max, name="gshard_test.pair_max")
+
+
+def _composite_program(x):
   y = gshard.split(x, 1, "model")
-  z = lax.reduce((y, -y), (-jnp.inf, jnp.inf), _pair_max, (1,))[0]   # no rule for reduce
+  z = _PAIR_MAX(y, -y)   # no rule for composite
   return z[:, None] + y
 
 
 def test_missing_rule_warns_with_primitive_and_source_line():
-  assert sharding_rule("reduce") is None, \
-      "reduce got a rule: pick another primitive without one for this test"
+  assert sharding_rule("composite") is None, \
+      "composite got a rule: pick another primitive without one for this test"
   m = mesh((2, 4), ("data", "model"))
   x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
-  line = line_of(_reduce_program, "lax.reduce(")
-  step = gshard.partition(_reduce_program, m, in_specs=(P("data", "model"),))
+  line = line_of(_composite_program, "_PAIR_MAX(")
+  step = gshard.partition(_composite_program, m, in_specs=(P("data", "model"),))
   with pytest.warns(gshard.PartitionWarning,
-                    match=rf"no partition rule for reduce .*{THIS_FILE}:{line}:"):
+                    match=rf"no partition rule for composite .*{THIS_FILE}:{line}:"):
     out = step(x)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_reduce_program)(x)))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_composite_program)(x)))
   low = step.lower(x)
-  assert [p for p, _ in low.fallbacks] == ["reduce"]
+  assert [p for p, _ in low.fallbacks] == ["composite"]
   assert f"{THIS_FILE}:{line}:" in low.fallbacks[0][1]
   report = low.explain()
-  assert "safe path" in report and f"reduce at {low.fallbacks[0][1]}" in report
+  assert "safe path" in report and f"composite at {low.fallbacks[0][1]}" in report
   # the safe path gathers both operands over the axis they are split on, model
   moved = [(c.kind, c.role, c.fallback) for c in low.collectives()
-           if c.primitive == "reduce"]
+           if c.primitive == "composite"]
   assert sorted(moved) == [("all_gather", "operand 0", True), ("all_gather", "operand 1", True)]
-  assert all("model" in c.axes for c in low.collectives() if c.primitive == "reduce")
+  assert all("model" in c.axes for c in low.collectives() if c.primitive == "composite")
 
 
 def test_missing_rule_strict_raises_with_the_same_message():
   m = mesh((2, 4), ("data", "model"))
   x = np.ones((8, 16), np.float32)
-  line = line_of(_reduce_program, "lax.reduce(")
-  step = gshard.partition(_reduce_program, m, in_specs=(P("data", "model"),), strict=True)
+  line = line_of(_composite_program, "_PAIR_MAX(")
+  step = gshard.partition(_composite_program, m, in_specs=(P("data", "model"),), strict=True)
   with warnings.catch_warnings():
     warnings.simplefilter("error", gshard.PartitionWarning)   # raise, not warn
-    with pytest.raises(NotImplementedError, match=rf"no partition rule for reduce "
+    with pytest.raises(NotImplementedError, match=rf"no partition rule for composite "
                        rf".*{THIS_FILE}:{line}:.*strict=True"):
       step(x)
 
 
-def _library_schur(a):
-  # schur (no rule), inside jax's jit
-  return jax.scipy.linalg.schur(gshard.split(a, 0, "model"))[0]
+# a jitted function of jax's own (its equations carry no user frame) binding a
+# composite (no rule)
+_LIBRARY_SIN = jax.jit(lax.composite(jnp.sin, name="gshard_test.sin"))
+
+
+def _library_call(a):
+  return _LIBRARY_SIN(gshard.split(a, 0, "model"))
 
 
 def test_missing_rule_inside_a_library_call_names_the_users_line():
-  """jax.scipy.linalg.schur binds schur inside its own jit, whose equations
-  carry no user frame: the warning names the user's call instead of an empty
+  """A composite bound inside a jit of jax's own code: its equations carry no
+  user frame, and the warning names the user's call instead of an empty
   location."""
-  assert sharding_rule("schur") is None, \
-      "schur got a rule: pick another primitive without one for this test"
+  assert sharding_rule("composite") is None, \
+      "composite got a rule: pick another primitive without one for this test"
   m = mesh((2, 4), ("data", "model"))
   a = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
-  line = line_of(_library_schur, "jax.scipy.linalg.schur(")
-  step = gshard.partition(_library_schur, m, in_specs=(P("data", "model"),))
-  with pytest.warns(gshard.PartitionWarning, match=rf"schur .*at .*{THIS_FILE}:{line}:"):
+  line = line_of(_library_call, "_LIBRARY_SIN(")
+  step = gshard.partition(_library_call, m, in_specs=(P("data", "model"),))
+  with pytest.warns(gshard.PartitionWarning, match=rf"composite .*at .*{THIS_FILE}:{line}:"):
     out = step(a)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_library_schur)(a)))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_library_call)(a)))
 
 
 # -- primitives that need more than the local op ------------------------------

@@ -364,12 +364,9 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
       psum[k] = _psum_cost(t, axes, mesh)
     return psum[k]
   for _ in range(max_trials):
-    gains = []
-    for t, down in best.downstream.items():
-      p = last.get(t)
-      if p and t not in tried and cost(t, p) < down:
-        gains.append((cost(t, p) - down, order[t], t))
-    gains.sort()
+    # (bytes saved, negative; upstream first; the value) for each cheaper psum
+    gains = sorted((g, order[t], t) for t, down in best.downstream.items()
+                   if (p := last.get(t)) and t not in tried and (g := cost(t, p) - down) < 0)
     # Only the most upstream candidates: resolving one settles its descendants.
     candidates = {t for *_, t in gains}
     t = next((t for *_, t in gains if not best.feeds.get(t, frozenset()) & candidates), None)

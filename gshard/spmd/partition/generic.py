@@ -173,15 +173,25 @@ def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
   if window is not None:
     outs = windowed_einsum.run(ctx, eqn, window, plan, ins, xs, params)
   else:
-    outs = (bind or eqn.primitive.bind)(*xs, **params)
-    outs = list(outs) if eqn.primitive.multiple_results else [outs]
-  for o, want, s in zip(outs, out_local, results):
+    outs = _bind(eqn, xs, params, bind)
+  _check_local(eqn, outs, out_local, results)
+  return [Value(o, s, sh, v.aval.dtype)
+          for o, s, sh, v in zip(outs, results, out_shapes, eqn.outvars)]
+
+
+def _bind(eqn, xs: list, params: dict, bind: Callable | None = None) -> list:
+  """``bind`` (the primitive's own by default) on ``xs``; its results as a list."""
+  outs = (bind or eqn.primitive.bind)(*xs, **params)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _check_local(eqn, outs, out_local, shardings) -> None:
+  """Each local result has the shape its sharding gives (else a gshard bug)."""
+  for o, want, s in zip(outs, out_local, shardings):
     if tuple(np.shape(o)) != tuple(want):
       raise AssertionError(
           f"gshard internal error: {eqn.primitive.name} gave local shape "
           f"{tuple(np.shape(o))}, expected {want} for sharding {s}.")
-  return [Value(o, s, sh, v.aval.dtype)
-          for o, s, sh, v in zip(outs, results, out_shapes, eqn.outvars)]
 
 
 def generic_rule(ctx: Context, eqn, ins, scope, idx, *,
@@ -239,13 +249,10 @@ def _bind_in_place(ctx: Context, eqn, ins: list[Value], same: TensorSharding) ->
   """The op on the local blocks of one layout; its results in that layout."""
   xs = [v.x for v in ins]
   out = same.local_shape(tuple(eqn.outvars[0].aval.shape), ctx.mesh_sizes)
-  params = local_params(eqn, [out] * len(eqn.outvars), [tuple(np.shape(x)) for x in xs])
-  outs = eqn.primitive.bind(*xs, **params)
-  outs = list(outs) if eqn.primitive.multiple_results else [outs]
-  for o in outs:
-    if tuple(np.shape(o)) != out:
-      raise AssertionError(f"gshard internal error: {eqn.primitive.name} gave local shape "
-                           f"{tuple(np.shape(o))}, expected {out} for sharding {same}.")
+  n = len(eqn.outvars)
+  params = local_params(eqn, [out] * n, [tuple(np.shape(x)) for x in xs])
+  outs = _bind(eqn, xs, params)
+  _check_local(eqn, outs, [out] * n, [same] * n)
   return [Value(o, same, tuple(v.aval.shape), v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
 
 
@@ -268,10 +275,8 @@ def safe_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 def _bind_whole(eqn, xs: list) -> list[Value]:
   """The primitive on whole (replicated) operands; its results replicated."""
   params = local_params(eqn, [v.aval.shape for v in eqn.outvars], [np.shape(x) for x in xs])
-  outs = eqn.primitive.bind(*xs, **params)
-  outs = list(outs) if eqn.primitive.multiple_results else [outs]
   return [Value(o, TensorSharding.replicated(len(v.aval.shape)), tuple(v.aval.shape),
-                v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
+                v.aval.dtype) for o, v in zip(_bind(eqn, xs, params), eqn.outvars)]
 
 
 def identity_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:

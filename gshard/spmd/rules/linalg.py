@@ -31,6 +31,9 @@ MATRIX_CORE = {
     "triangular_solve": 2, "lu_pivots_to_permutation": 1, "tridiagonal_solve": 1,
     "schur": 2, "hessenberg": 2, "tridiagonal": 2, "symmetric_product": 2,
     "cholesky_update": 2,
+    # Householder QR's parts (jnp.linalg.qr(mode="raw"), slogdet(method="qr"),
+    # jax.scipy.linalg.qr_multiply, hessenberg(calc_q=True))
+    "geqrf": 2, "geqp3": 2, "ormqr": 2, "householder_product": 2,
 }
 
 
