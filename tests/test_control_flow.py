@@ -638,6 +638,94 @@ def test_an_accumulator_equals_one_device(data):
     assert len(vector_psums(body)) == (2 if init == "pending" else 1), body
 
 
+def _accumulate_while(w, xs, ys, n):
+  """The same accumulation under ``fori_loop`` with a traced trip count (a
+  ``while_loop`` whose cond reads only the counter)."""
+  def body(i, g):
+    x, y = xs[i], ys[i]
+    return g + jax.grad(lambda w: jnp.sum((jnp.tanh(x @ w) - y) ** 2))(w)
+  return w - 0.1 * lax.fori_loop(0, n, body, jnp.zeros_like(w))
+
+
+@pytest.mark.parametrize("n", [0, 1, 4])
+def test_a_while_loops_accumulated_gradient_is_summed_once_after_the_loop(n):
+  """As in a scan: the accumulator's sum stays pending round the while loop,
+  one psum after it (one gradient's bytes), whatever the trip count (0 too:
+  the seeded init sums to itself)."""
+  w = rand(16, 16, scale=0.25)
+  args = (w, rand(4, 8, 16, seed=1), rand(4, 8, 16, seed=2), np.int32(n))
+  _, low = check(_accumulate_while, args, (P(), P(None, "data"), P(None, "data"), P()),
+                 shape=((8,), ("data",)))
+  body = low.per_device_jaxpr()
+  psums = [e for e in eqns_of(body) if e.primitive.name == "psum"]
+  (loop,) = [e for e in eqns_of(body) if e.primitive.name == "while"]
+  assert len(psums) == 1 and "psum" not in str(loop.params["body_jaxpr"]), body
+  assert "psum" not in str(loop.params["cond_jaxpr"]), body
+  assert low.total_bytes() == 2 * 7 * (16 * 16 * 4) // 8, low.explain()   # one all-reduce
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_while_accumulator_equals_one_device(data):
+  """The scan property above for ``while_loop``: random meshes and splits,
+  trip counts 0-4 (traced), inits, ``add``/``add_any``, int32 and float32
+  (small integers: exact in any order), a carry that is not an accumulator
+  beside it, and a cond that sometimes reads the accumulator (then it is
+  summed every iteration, as the cond needs its value). Bit for bit; where
+  the cond does not read it, no psum of it in the loop."""
+  shape, names = data.draw(st.sampled_from([((8,), ("x",)), ((2, 4), ("x", "y")),
+                                            ((4, 2), ("x", "y"))]), label="mesh")
+  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
+  dtype = data.draw(st.sampled_from([np.float32, np.int32]), label="dtype")
+  count = data.draw(st.integers(0, 4), label="count")
+  init = data.draw(st.sampled_from(["zeros", "value", "pending"]), label="init")
+  grad_form = data.draw(st.booleans(), label="add_any") and dtype == np.float32
+  cond_reads = data.draw(st.booleans(), label="cond reads the accumulator")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+  xs = rng.integers(-3, 4, (4, 6, 16)).astype(dtype)
+  c0 = rng.integers(-3, 4, (6, 16)).astype(dtype)
+  n = int(np.prod([dict(zip(names, shape))[a] for a in axes]))
+
+  def f(xs, c0, count):
+    acc0 = {"zeros": jnp.zeros((6,), dtype), "value": c0[:, 0],
+            "pending": jnp.sum(c0, axis=1)}[init]
+
+    def cond(s):
+      i, acc, _ = s
+      go = i < count
+      return go & (jnp.sum(acc) < 10**6) if cond_reads else go
+
+    def body(s):
+      i, acc, other = s
+      u = jnp.sum(xs[i] * 2, axis=1)                # a sum over the split dim
+      if grad_form:
+        acc = jax.extend.core.primitives.add_jaxvals_p.bind(u, acc)
+      else:
+        acc = acc + u
+      return i + 1, acc, other * 2 + u[0]
+    _, acc, other = lax.while_loop(cond, body, (0, acc0, c0[0, 0]))
+    return acc, other
+
+  spec = P(None, None, axes if len(axes) > 1 else axes[0])
+  step = gshard.partition(f, mesh(shape, names), in_specs=(spec, P(None, spec[2]), P()))
+  args = (xs, c0, np.int32(count))
+  got, want = step(*args), jax.jit(f)(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  top = step.lower(*args).per_device_jaxpr()
+  (loop,) = [e for e in eqns_of(top) if e.primitive.name == "while"]
+
+  def vector_psums(jaxpr):
+    return [e for e in eqns_of(jaxpr) if e.primitive.name == "psum"
+            and e.invars[0].aval.shape == (6,)]
+  inner = vector_psums(loop.params["body_jaxpr"].jaxpr) + \
+      vector_psums(loop.params["cond_jaxpr"].jaxpr)
+  if n > 1 and not cond_reads:
+    assert not inner, top
+    assert len(vector_psums(top)) - len(inner) == (2 if init == "pending" else 1), top
+
+
 def test_an_accumulator_times_inf_is_one_devices():
   """The accumulated sum, then scaled by inf: resolving it after the loop and
   after the product costs the same, so it is summed as it leaves the loop,

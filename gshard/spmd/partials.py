@@ -141,13 +141,15 @@ class _Index:
 
 
 def _runs(jaxpr, scope) -> int:
-  """How many times a scope's equations run per call: the product of the
-  lengths of the scans around it (a while loop's count is unknown: once)."""
+  """How many times a scope's equations run per call: the product of the scans'
+  lengths around it, twice for a while loop's body (its count unknown: it loops)."""
   n = 1
   for idx, path in scope:
     eqn = jaxpr.eqns[idx]
     if eqn.primitive.name == "scan":
       n *= eqn.params["length"]
+    elif eqn.primitive.name == "while" and path == ("body_jaxpr",):
+      n *= 2
     jaxpr = dict(sub_jaxprs(eqn.params))[path]
   return n
 
@@ -390,7 +392,7 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   # accumulator carries out of the loop stays pending there; it is tried
   # where it leaves the scan.
   for k, b in enumerate(graph.bounds):
-    leaves = b.eqn.primitive.name == "scan" and any(
+    leaves = b.eqn.primitive.name in ("scan", "while") and any(
         o is not None and len(o.scope) > len(b.scope) for o in b.operands)
     if not (reduced[k] or leaves) or b.eqn.primitive.name in LOOKUPS:
       continue

@@ -121,9 +121,9 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   csub = scope + ((idx, ("cond_jaxpr",)),)
   bsub = scope + ((idx, ("body_jaxpr",)),)
   cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
-  carry_s = [ctx.target(bsub, v).without_partial() for v in body.jaxpr.invars[bn:]]
-  init = [ctx.reshard(v, s, eqn, f"carry {c}")
-          for c, (v, s) in enumerate(zip(init, carry_s))]
+  # pending only as an accumulator the cond does not read (rules.control)
+  carry_s = [ctx.target(bsub, v) for v in body.jaxpr.invars[bn:]]
+  init = [_fit(ctx, v, s, eqn, f"carry {c}") for c, (v, s) in enumerate(zip(init, carry_s))]
 
   def values(xs):
     return [Value(x, s, v.shape, v.dtype) for x, s, v in zip(xs, carry_s, init)]
@@ -134,7 +134,7 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
   def body_fun(xs):
     outs = ctx.run_jaxpr(body.jaxpr, bsub, body.consts, list(bconsts) + values(xs))
-    return [ctx.reshard(o, s, eqn, f"carry {c} (per iteration)").x
+    return [_fit(ctx, o, s, eqn, f"carry {c} (per iteration)").x
             for c, (o, s) in enumerate(zip(outs, carry_s))]
 
   out = lax.while_loop(cond_fun, body_fun, [v.x for v in init])

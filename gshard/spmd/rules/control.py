@@ -117,10 +117,18 @@ def shard_map_rule(in_avals, out_avals, *, mesh, in_specs, out_specs, **params) 
   return OpRule((), tuple(pins), walk_inner=False)
 
 
-def while_rule(in_avals, out_avals, *, cond_nconsts, body_nconsts, **params) -> OpRule:
+def while_rule(in_avals, out_avals, *, cond_nconsts, body_nconsts, cond_jaxpr, body_jaxpr,
+               **params) -> OpRule:
   """``while``: consts and carries linked to the cond's and body's invars, round
-  the loop and out (never pending)."""
+  the loop and out, never pending, but for an accumulator the cond does not
+  read (``fori_loop`` with a traced bound: its counter is the cond's): as in
+  a ``scan``, its sum stays pending round the loop and out of it (one psum
+  after the loop, however many times it runs), its init seeded."""
+  del params
   cond, body = ("cond_jaxpr",), ("body_jaxpr",)
+  read = _reads(cond_jaxpr.jaxpr)
+  acc = {c for c in accumulators(body_jaxpr.jaxpr, body_nconsts, len(out_avals))
+         if cond_jaxpr.jaxpr.invars[cond_nconsts + c] not in read}
   cons = []
   for i in range(cond_nconsts):
     cons.append(_link(IN(i), SUB_IN(cond, i), in_avals[i].shape))
@@ -129,14 +137,19 @@ def while_rule(in_avals, out_avals, *, cond_nconsts, body_nconsts, **params) -> 
     cons.append(_link(IN(k), SUB_IN(body, i), in_avals[k].shape))
   for c, a in enumerate(out_avals):
     k = cond_nconsts + body_nconsts + c
-    cons.append(_link(IN(k), SUB_IN(body, body_nconsts + c), a.shape, linear="none"))
-    cons.append(_link(IN(k), SUB_IN(cond, cond_nconsts + c), a.shape, linear="none"))
-    cons.append(_link(SUB_OUT(body, c), SUB_IN(body, body_nconsts + c), a.shape,
-                      linear="none"))
-    cons.append(_link(SUB_OUT(body, c), SUB_IN(cond, cond_nconsts + c), a.shape,
-                      linear="none"))
-    cons.append(_link(SUB_OUT(body, c), OUT(c), a.shape, linear="none"))
+    into, carried = ("seed", "unary") if c in acc else ("none", "none")
+    for sub, n in ((body, body_nconsts), (cond, cond_nconsts)):
+      cons.append(_link(IN(k), SUB_IN(sub, n + c), a.shape, linear=into))
+    for sub, n in ((body, body_nconsts), (cond, cond_nconsts)):
+      cons.append(_link(SUB_OUT(body, c), SUB_IN(sub, n + c), a.shape, linear=carried))
+    cons.append(_link(SUB_OUT(body, c), OUT(c), a.shape, linear=carried))
   return OpRule(tuple(cons))
+
+
+def _reads(jaxpr) -> set:
+  """The variables a jaxpr's equations or outputs read."""
+  vs = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
+  return vs | {v for v in jaxpr.outvars if not isinstance(v, Literal)}
 
 
 def cond_rule(in_avals, out_avals, *, branches, **params) -> OpRule:
