@@ -356,3 +356,60 @@ def test_explain_shows_each_contraction_option_with_its_bytes():
   section = report.split("contractions and lookups:")[1]
   assert "chosen" in section and "(c) reshard operands first" in section, report
   assert "operand 0 all_gather[model]; operand 1 all_gather[model]" in section, report
+
+
+# -- jax.debug.inspect_array_sharding -----------------------------------------------
+
+def _inspected(seen: list | None, contract_split: bool):
+  """``x @ w`` inspected; split on the contracted dim, its sum is pending (the
+  row sums after it are summed instead, fewer bytes)."""
+  def f(x, w):
+    h = x @ w
+    if seen is not None:
+      jax.debug.inspect_array_sharding(h, callback=seen.append)
+    return jnp.sum(h, axis=1) if contract_split else jnp.tanh(h)
+  specs = (P("data", "model"), P("model")) if contract_split else (P("data"), P(None, "model"))
+  return f, specs
+
+
+@pytest.mark.filterwarnings("error::gshard.PartitionWarning")
+@pytest.mark.parametrize("contract_split", [False, True])
+def test_inspect_array_sharding_reports_gshards_layout_and_moves_nothing(contract_split):
+  """The callback gets the layout gshard gave the value, as ``jax.jit`` gives
+  XLA's: ``P('data', 'model')`` for a split result, and a pending sum as
+  ``unreduced`` axes. Inspecting adds no collective and no warning: the
+  program is the one without it."""
+  m = mesh((2, 4), ("data", "model"))
+  seen: list = []
+  f, specs = _inspected(seen, contract_split)
+  # small integers: the product is exact in any order of its sums
+  x = np.random.default_rng(0).integers(-3, 4, (8, 16)).astype(np.float32)
+  w = np.random.default_rng(1).integers(-3, 4, (16, 32)).astype(np.float32)
+  step = gshard.partition(f, m, in_specs=specs)
+  out = step(x, w)
+  (got,) = seen                              # once, while gshard partitions
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(f)(x, w)))
+  if contract_split:
+    assert got.spec == P("data", None, unreduced={"model"}), got
+    assert dict(zip(got.mesh.axis_names, got.mesh.axis_types))["model"] == \
+        jax.sharding.AxisType.Explicit
+  else:
+    assert got.spec == P("data", "model") and got.mesh == m, got
+    jax.jit(f, in_shardings=tuple(jax.NamedSharding(m, s) for s in specs))(x, w)
+    assert seen[-1].spec == got.spec        # what jax.jit reports for XLA's layout
+  plain = gshard.partition(_inspected(None, contract_split)[0], m, in_specs=specs)
+  assert [(c.kind, c.bytes) for c in step.lower(x, w).collectives()] == \
+      [(c.kind, c.bytes) for c in plain.lower(x, w).collectives()]
+
+
+def test_inspect_array_sharding_on_an_abstract_mesh():
+  """Lowered for a pod from this machine: the callback gets the sharding on
+  the AbstractMesh."""
+  from jax.sharding import AbstractMesh, AxisType
+  m = AbstractMesh((16, 64), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  seen: list = []
+  f, specs = _inspected(seen, False)
+  args = (jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 512), jnp.float32))
+  gshard.partition(f, m, in_specs=specs).lower(*args, platform="tpu")
+  (got,) = seen
+  assert got.spec == P("data", "model") and got.mesh == m, got

@@ -308,7 +308,7 @@ class Partitioned:
     in_sh, out_sh, padded_out = self._boundary(result, out_leaves, pairs)
     gather_early(result.graph, out_sh)
     ctx = Context(result.graph, self.mesh_sizes, Recorder(), self.strict, run_jaxpr,
-                  self.windowed_einsum, collectives.chunks_first(self.mesh))
+                  self.windowed_einsum, collectives.chunks_first(self.mesh), mesh=self.mesh)
     shard_fn = jax.shard_map(_body(ctx, result, in_sh, out_sh, avals, out_leaves),
                              mesh=self.mesh,
                              in_specs=tuple(s.to_spec() for s in in_sh),

@@ -22,6 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.generic import safe_rule
 from gshard.spmd.partition.reduce import allreduce_bytes_of
@@ -113,3 +116,22 @@ def once_rule(ctx: Context, eqn, ins: list[Value], scope, idx) -> list[Value]:
       results.append(_from_first(r, first, axes))
   return [Value(r, TensorSharding.replicated(len(a.shape)), tuple(a.shape), a.dtype)
           for r, a in zip(results, outs)]
+
+
+def inspect_rule(ctx: Context, eqn, ins: list[Value], scope, idx) -> list[Value]:
+  """``jax.debug.inspect_array_sharding``: its callback gets the layout gshard
+  gave the value, as a ``NamedSharding`` (a pending sum's axes as
+  ``unreduced``, on the mesh with those axes ``Explicit``, as jax requires),
+  once, while gshard partitions (``jax.jit`` calls it while XLA compiles).
+  The value stays where it is: inspecting moves nothing."""
+  del scope, idx
+  s = ins[0].sharding
+  mesh = ctx.mesh
+  spec = s.to_spec()
+  if s.partial:
+    mesh = mesh.update(axis_types=tuple(
+        AxisType.Explicit if a in s.partial else t
+        for a, t in zip(mesh.axis_names, mesh.axis_types)))
+    spec = P(*spec, unreduced=frozenset(s.partial))
+  eqn.params["callback"](NamedSharding(mesh, spec))
+  return []

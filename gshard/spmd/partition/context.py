@@ -137,8 +137,10 @@ class Context:
 
   def __init__(self, graph: Graph, mesh_sizes: Mapping[str, int], recorder: Recorder,
                strict: bool, interpreter: Callable[..., list],
-               windowed_einsum: float | None = None, chunks_first: bool = False):
+               windowed_einsum: float | None = None, chunks_first: bool = False,
+               mesh=None):
     self.graph = graph
+    self.mesh = mesh            # the Mesh or AbstractMesh partitioned over
     self._interpreter = interpreter
     self.mesh_sizes = dict(mesh_sizes)
     self.recorder = recorder
