@@ -191,7 +191,9 @@ GOLDEN = [
     ("sort two operands", lambda x, y: lax.sort((x, y), dimension=1, num_keys=1),
      [S((8, 16), f32), S((8, 16), i32)], "sort", "ab,ab->ab,ab blocked={b}", None),
     ("top_k", lambda x: lax.top_k(x, 2), [S((4, 50), f32)], "top_k",
-     "ay->az,az blocked={yz}", {"a": 4, "y": 50, "z": 2}),
+     "ab->ac,ac reduce={b} blocked={c}", {"a": 4, "b": 50, "c": 2}),
+    ("top_k along axis 0", lambda x: lax.top_k(x, 2, axis=0), [S((4, 50), f32)], "top_k",
+     "ab->cb,cb reduce={a} blocked={c}", {"a": 4, "b": 50, "c": 2}),
     # batched linear algebra and FFTs: the batch shared, the cores blocked
     ("cholesky", lax.linalg.cholesky, [S((8, 4, 4), f32)], "cholesky",
      "abc->ade blocked={bcde}", {"a": 8, "b": 4, "c": 4, "d": 4, "e": 4}),

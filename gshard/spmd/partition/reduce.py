@@ -3,7 +3,8 @@
 ``reduce_sum`` over a split dim leaves a pending sum: the generic rule. A split
 ``reduce_max``/``reduce_min``/``reduce_or``/``reduce_and`` is reduced locally
 and then combined across the devices (``pmax``/``pmin``); ``argmax``/``argmin``
-take the local winner, then the globally first winner.
+take the local winner, then the globally first winner; ``top_k`` takes each
+device's top k, then the top k of the gathered candidates.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
+from gshard.spmd.sharding import TensorSharding
 from gshard.spmd.partition.generic import bind_local, mask_padding, safe_rule
 from gshard.spmd.partition.plan import factor_rule_of, plan_local
 from gshard.spmd.reshard import allreduce_bytes
@@ -123,3 +125,50 @@ def arg_reduce_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   winner = lax.pmin(jnp.where(key == top, glob, big), axes)
   record(winner, "pmin")
   return [dataclasses.replace(out, x=winner)]
+
+
+def top_k_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``top_k`` along a split dim: each device takes the top ``min(k, rows)`` of
+  its rows (with their global indices), the candidates are all-gathered
+  along that dim (n of them per device instead of the whole dim), and the
+  top k of the candidates is the result. Every element of the global top k
+  is among its device's candidates, and among equal values the candidates
+  keep the order of their global indices (device-major, each device's in
+  index order), so ties resolve as on one device (jax: the lower index
+  first); ``top_k`` orders floats totally (NaN highest, -0.0 below 0.0), so
+  an uneven split's padding is filled with the lowest value of that order.
+  Where the candidates would send more than the dim itself, the dim is
+  gathered instead (the generic rule)."""
+  plan = plan_local(ctx, eqn, ins, scope, allow_other_reduction=True)
+  rank = len(ins[0].shape)
+  dim = eqn.params["axis"] % rank
+  (f,) = plan.rule.operands[0][dim]
+  axes = plan.choice.get(f, ())
+  x_val = ins[0] if not axes else ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
+  n, k = ctx.num_shards(axes), eqn.params["k"]
+  rows = x_val.sharding.local_shape(x_val.shape, ctx.mesh_sizes)[dim] if axes else 0
+  kl = min(k, rows)
+  dtype = x_val.dtype
+  cheaper = n * kl * (jnp.dtype(dtype).itemsize + 4) < n * rows * jnp.dtype(dtype).itemsize
+  if not axes or not cheaper or not (jnp.issubdtype(dtype, jnp.number)):
+    if axes:                 # the dim gathered: the op on whole rows
+      plan = plan_local(ctx, eqn, ins, scope, blocked=frozenset({f}))
+    return bind_local(ctx, eqn, plan, ins)
+  x = x_val.x
+  if x_val.shape[dim] % n:   # padding: the lowest value of top_k's order
+    lowest = (lax.bitcast_convert_type(jnp.asarray(-1, _INT_OF[jnp.dtype(dtype).itemsize]),
+                                       dtype) if jnp.issubdtype(dtype, jnp.inexact)
+              else jnp.iinfo(dtype).min)
+    pos = ctx.linear_index(axes) * rows + lax.broadcasted_iota(jnp.int32, x.shape, dim)
+    x = jnp.where(pos < x_val.shape[dim], x, jnp.asarray(lowest, dtype))
+  vals, idx_l = lax.top_k(x, kl, axis=dim)
+  idx_g = idx_l + (ctx.linear_index(axes) * rows).astype(idx_l.dtype)
+  cand_shape = tuple(n * kl if d == dim else m for d, m in enumerate(x_val.shape))
+  split = x_val.sharding.without_partial()
+  whole = TensorSharding(tuple(() if d == dim else a for d, a in enumerate(split.dims)))
+  vals, idx_g = (ctx.reshard(Value(v, split, cand_shape, v.dtype), whole, eqn,
+                             f"candidates ({what})").x
+                 for v, what in ((vals, "values"), (idx_g, "indices")))
+  top, j = lax.top_k(vals, k, axis=dim)
+  out = [top, jnp.take_along_axis(idx_g, j, axis=dim)]
+  return [Value(o, whole, tuple(v.aval.shape), v.aval.dtype) for o, v in zip(out, eqn.outvars)]

@@ -45,13 +45,17 @@ def along_dim_rule(in_avals, out_avals, *, dim_param: str, linear: str = "none",
                      linear=linear)
 
 
-def top_k_rule(in_avals, out_avals, **params) -> FactorRule:
-  """``top_k(f32[4,50], k=2)``: ``ab->aC,aC`` with ``b`` and ``C`` blocked."""
+def top_k_rule(in_avals, out_avals, *, axis=-1, **params) -> FactorRule:
+  """``top_k(f32[4,50], k=2)``: ``ab->ac,ac reduce={b} blocked={c}``: a split
+  ``b`` is each device's top k, then the top k of those
+  (``partition/reduce.py``); ``axis`` names the dim (the last by default)."""
   del params
   rank = len(in_avals[0].shape)
-  f = letters(rank - 1)
-  return factor_rule(f"{f}y->{f}z,{f}z", shapes(in_avals), shapes(out_avals),
-                     blocked="yz")
+  dim = axis % rank
+  f = letters(rank + 1)
+  ins, out = f[:rank], f[:dim] + f[rank] + f[dim + 1:rank]
+  return factor_rule(f"{ins}->{out},{out}", shapes(in_avals), shapes(out_avals),
+                     other_reduction=f[dim], blocked=f[rank])
 
 
 def approx_top_k_rule(in_avals, out_avals, *, reduction_dimension, **params) -> FactorRule:
@@ -94,6 +98,6 @@ register("cumsum", functools.partial(along_dim_rule, dim_param="axis", linear="u
 register("cumprod cummax cummin cumlogsumexp",
          functools.partial(along_dim_rule, dim_param="axis"))
 register("sort", functools.partial(along_dim_rule, dim_param="dimension"))
-register("top_k", top_k_rule)
+register("top_k", top_k_rule, partition=partition.top_k_rule)
 register("approx_top_k", approx_top_k_rule)
 register("reduce", variadic_reduce_rule)
