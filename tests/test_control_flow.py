@@ -726,6 +726,39 @@ def test_a_while_accumulator_equals_one_device(data):
     assert len(vector_psums(top)) - len(inner) == (2 if init == "pending" else 1), top
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_vmapped_loop_with_per_lane_trip_counts_equals_one_device(data):
+  """``vmap`` of a ``fori_loop`` whose trip count differs per lane: jax's while
+  gets a batched predicate, runs while any lane's holds, and a finished lane
+  keeps its carry. The lanes split over the mesh or not, the carry split on
+  its other dim or summed over it (an accumulator); found by review (the
+  predicate was taken for a scalar: an internal error)."""
+  shape, names = data.draw(st.sampled_from([((8,), ("x",)), ((2, 4), ("x", "y"))]),
+                           label="mesh")
+  lane_axis = data.draw(st.sampled_from([None, names[0]]), label="lanes split over")
+  inner = data.draw(st.sampled_from([None, names[-1]]), label="data split over")
+  if inner == lane_axis:
+    inner = None
+  summed = data.draw(st.booleans(), label="accumulate a sum over the split dim")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+  counts = rng.integers(0, 5, 4).astype(np.int32)
+  xs = rng.integers(-3, 4, (4, 6, 16)).astype(np.float32)
+
+  def one(n, xs):
+    if summed:
+      return lax.fori_loop(0, n, lambda i, a: a + jnp.sum(xs[i] * 2, axis=1), jnp.ones(6))
+    return lax.fori_loop(0, n, lambda i, a: a * 0.5 + xs[i], jnp.ones((6, 16)))
+
+  def f(xs, counts):
+    return jax.vmap(one, in_axes=(0, None))(counts, xs)
+
+  specs = (P(None, None, inner), P(lane_axis))
+  step = gshard.partition(f, mesh(shape, names), in_specs=specs)
+  np.testing.assert_array_equal(np.asarray(gshard.unpad(step(xs, counts))),
+                                np.asarray(jax.jit(f)(xs, counts)))
+
+
 def test_an_accumulator_times_inf_is_one_devices():
   """The accumulated sum, then scaled by inf: resolving it after the loop and
   after the product costs the same, so it is summed as it leaves the loop,

@@ -9,7 +9,10 @@ with no safe path (a ``PartitionWarning`` is an error here).
 Exactness is by construction, not tolerance: grouped-matmul operands are small
 integers held in f32, so every partial sum, in any order, is an integer
 below 2**24 and exact; top-k, ``lax.reduce`` and the factorisations compute
-each row or matrix whole on one device, as the unpartitioned program does.
+each row or matrix whole on one device, as the unpartitioned program does
+(at the 4x4 matrices used here; XLA:CPU's batched matmul, which
+``symmetric_product`` is, may round a larger matrix by an ulp differently
+for another batch size, as any ``dot_general`` split over its batch).
 """
 
 from __future__ import annotations
@@ -141,6 +144,19 @@ def test_ragged_dot_with_batch_dims_equals_one_device(mesh_case, seed, data):
   specs = data.draw(_specs([lhs.shape, rhs.shape, sizes.shape], names))
   _exact(gshard.partition(f, m, in_specs=specs)(lhs, rhs, sizes),
          jax.jit(f)(lhs, rhs, sizes), f"specs {specs}")
+
+
+def test_ragged_dot_with_int8_group_sizes_wraps_as_jax_does():
+  """Group sizes of int8 summing past 127: jax's ragged_dot sums them in int8
+  (the running end wraps, and the group after it is empty); split rows see
+  the same groups (found by review: int32 sums had given row 127 a group)."""
+  m = mesh((8,), ("x",))
+  rng = np.random.default_rng(4)
+  lhs, rhs = _ints(rng, (128, 4)), _ints(rng, (2, 4, 2))
+  sizes = np.array([127, 1], np.int8)
+  f = lambda a, b, s: lax.ragged_dot(a, b, s)
+  _exact(gshard.partition(f, m, in_specs=(P("x"), P(), P()))(lhs, rhs, sizes),
+         jax.jit(f)(lhs, rhs, sizes))
 
 
 def test_ragged_dot_with_group_offset_takes_the_safe_path_with_a_warning():

@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import source_info_util
 from jax.extend.core import Literal
@@ -128,14 +129,32 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   def values(xs):
     return [Value(x, s, v.shape, v.dtype) for x, s, v in zip(xs, carry_s, init)]
 
-  def cond_fun(xs):
+  def predicate(xs) -> Value:
     (pred,) = ctx.run_jaxpr(cond.jaxpr, csub, cond.consts, list(cconsts) + values(xs))
-    return ctx.reshard(pred, TensorSharding.replicated(0), eqn, "predicate").x
+    return pred
+
+  # A batched predicate (vmap of a loop with per-lane trip counts), as jax
+  # lowers it: the loop runs while any lane's is true, and a lane whose is
+  # false keeps its carry (the predicate's dims lead every carry's).
+  lanes = len(cond.out_avals[0].shape)
+
+  def cond_fun(xs):
+    pred = predicate(xs)
+    whole = ctx.reshard(pred, TensorSharding.replicated(lanes), eqn, "predicate").x
+    return jnp.any(whole) if lanes else whole
 
   def body_fun(xs):
     outs = ctx.run_jaxpr(body.jaxpr, bsub, body.consts, list(bconsts) + values(xs))
-    return [_fit(ctx, o, s, eqn, f"carry {c} (per iteration)").x
-            for c, (o, s) in enumerate(zip(outs, carry_s))]
+    new = [_fit(ctx, o, s, eqn, f"carry {c} (per iteration)").x
+           for c, (o, s) in enumerate(zip(outs, carry_s))]
+    if not lanes:
+      return new
+    pred = predicate(xs)
+    out = []
+    for c, (y, x, s) in enumerate(zip(new, xs, carry_s)):
+      p = ctx.reshard(pred, TensorSharding(s.dims[:lanes]), eqn, f"predicate (carry {c})").x
+      out.append(jnp.where(lax.broadcast_in_dim(p, np.shape(y), tuple(range(lanes))), y, x))
+    return out
 
   out = lax.while_loop(cond_fun, body_fun, [v.x for v in init])
   return values(out)

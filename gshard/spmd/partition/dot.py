@@ -33,8 +33,11 @@ def ragged_dot_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   def bind(lhs, rhs, sizes, **params):
     block = np.shape(lhs)[ragged]
     start = ctx.linear_index(axes) * block
-    end = jnp.cumsum(sizes, axis=-1, dtype=jnp.int32)
-    begin = end - sizes.astype(jnp.int32)
-    local = (jnp.clip(end - start, 0, block) - jnp.clip(begin - start, 0, block))
+    # ends summed in the sizes' own type, as jax's ragged_dot does (int8 sizes
+    # wrap); a group whose end wrapped below its start is empty there too
+    end = jnp.cumsum(sizes, axis=-1, dtype=sizes.dtype)
+    begin = jnp.concatenate([jnp.zeros_like(end[..., :1]), end[..., :-1]], axis=-1)
+    end, begin = end.astype(jnp.int32), begin.astype(jnp.int32)
+    local = jnp.maximum(jnp.clip(end - start, 0, block) - jnp.clip(begin - start, 0, block), 0)
     return eqn.primitive.bind(lhs, rhs, local.astype(sizes.dtype), **params)
   return bind_local(ctx, eqn, plan, ins, bind=bind)
