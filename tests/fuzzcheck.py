@@ -25,9 +25,11 @@ tree of arrays, with the same shapes and dtypes, and:
   evaluation order of the program by a small multiple of ``u S``, where ``S``
   accumulates the magnitudes of everything that was rounded on the way
   (``S(a+b) = S(a)+S(b)``, ``S(sum x) = sum S(x)``, ``S(dot(a,b)) =
-  dot(S(a),S(b))``, ``S(f(a)) = |f(a)| + |f'(a)| S(a)``, ...). For a sum that
-  is ``sum |x_i|``, not ``|sum x_i|``, so catastrophic cancellation in the
-  program is not blamed on the partitioner. ``2 |s - o|``: the one-device
+  dot(S(a),S(b))`` and likewise for ``ragged_dot`` with the same group sizes,
+  ``S(f(a)) = |f(a)| + |f'(a)| S(a)``, a ``lax.reduce`` of the program's own
+  computation reduces (value, scale) pairs with that computation interpreted on
+  pairs, ...). For a sum that is ``sum |x_i|``, not ``|sum x_i|``, so
+  catastrophic cancellation in the program is not blamed on the partitioner. ``2 |s - o|``: the one-device
   program is one valid evaluation order; a reordering may err about as much
   (the worst-case bound grows with the reduction length n, the typical error
   with sqrt(n); the one-device error measures the actual conditioning).
@@ -271,12 +273,50 @@ def _scales(name, p, vals, S, outs, eqn):
   if name == "top_k":
     axis = p.get("axis", -1)
     return [jnp.take_along_axis(S[0], outs[1], axis=axis), None]
+  if name == "approx_top_k":
+    return [jnp.take_along_axis(S[0], outs[1], axis=p["reduction_dimension"]), None]
   if name in ("argmax", "argmin"):
     return [None]
+  if name == "ragged_dot_general" and S[0] is not None and S[1] is not None:
+    # like a dot: the same grouped matmul of the scales, with the same group sizes
+    return [eqn.primitive.bind(S[0], S[1], *vals[2:], **p)]
+  if name == "reduce" and "jaxpr" in p:
+    try:
+      return _reduce_scales(p, vals, S)
+    except Exception:  # noqa: BLE001 - a computation the interpreter cannot run: fall back
+      pass
   # no rule: |out| + the largest input scale (conservative)
   SCALE_FALLBACKS[name] += 1
   big = functools.reduce(jnp.maximum, [jnp.max(s) for s in fS], jnp.float64(0))
   return [(_abs(x) + big) if _isfloat(x) else None for x in outs]
+
+
+def _reduce_scales(p, vals, S):
+  """``lax.reduce`` of the program's own computation: the same reduction over
+  (value, scale) pairs, the computation interpreted on pairs (a selection picks
+  the scale of the element it picks, a sum adds the scales); the init values'
+  scales are 0 (an identity adds no rounding)."""
+  j, c = _closed(p["jaxpr"])
+  n = len(vals) // 2
+  fl = [k for k in range(n) if S[k] is not None]
+
+  def pairs(t):
+    s = [None] * n
+    for q, k in enumerate(fl):
+      s[k] = t[n + q]
+    return list(zip(t[:n], s))
+
+  def comp(a, b):
+    out = _eval(j, c, pairs(a) + pairs(b))
+    return tuple(o for o, _ in out) + tuple(out[k][1] for k in fl)
+
+  ops = tuple(vals[:n]) + tuple(S[k] for k in fl)
+  inits = tuple(vals[n:]) + tuple(jnp.zeros((), jnp.float64) for _ in fl)
+  r = lax.reduce(ops, inits, comp, p["dimensions"])
+  res = [None] * n
+  for q, k in enumerate(fl):
+    res[k] = r[n + q]
+  return res
 
 
 def oracle(prog: Program):

@@ -18,12 +18,17 @@ interior); gathers (``x[idx]``, ``x[:, idx]``, ``take`` with fill/clip,
 dynamic slices with clamped (out-of-range) starts, dynamic index, dynamic
 update slice; scatters (``.at[idx].add/set/max/min``, 2-D indices, dropped
 out-of-range indices); sort, argsort, ``lax.top_k`` along any axis (k up to
-the full dim), ``jnp.unique``, cumsum/cummax; ``lax.scan`` (over an array, or
-over ``arange`` indexing a closed-over array), ``fori_loop``, ``lax.cond``,
-``lax.switch``, ``lax.while_loop`` (trip count from an input, or
-data-dependent); in ``value`` mode the program's outputs are compared, in
-``grad`` mode ``jax.value_and_grad`` of a weighted sum of its float outputs
-w.r.t. every float input.
+the full dim), ``lax.approx_max_k``/``approx_min_k`` along any dim (small k;
+NaNs replaced first), ``jnp.unique``, cumsum/cummax; ``lax.ragged_dot``
+(grouped matmul, float or int; group sizes an int32 input with its own spec or
+a constant, their total below, at or a little above the rows); a variadic
+``lax.reduce`` with a computation of its own over random dims (an
+argmax/argmin of (value, index) pairs, or (sum, max) of two operands);
+``lax.scan`` (over an array, or over ``arange`` indexing a closed-over
+array), ``fori_loop``, ``lax.cond``, ``lax.switch``, ``lax.while_loop`` (trip
+count from an input, or data-dependent); in ``value`` mode the program's
+outputs are compared, in ``grad`` mode ``jax.value_and_grad`` of a weighted
+sum of its float outputs w.r.t. every float input.
 
 Determinism bookkeeping (why the checker may demand exact equality): each
 value carries ``exact`` (bitwise the same under any evaluation order of its
@@ -31,11 +36,13 @@ reductions) and, for floats, a *grid*: the value is a multiple of ``2**e`` no
 larger than ``mag``. Float inputs are mostly multiples of 1/4 (on a grid),
 so sums, dots, cumsums and scatter-adds of them stay exact as long as the
 result fits the dtype's significand (24 bits f32, 8 bits bf16). Ops with a
-discontinuity in their value (comparisons, argmax, argsort, top_k indices,
-float->int casts, floor, sign, unique, log/sqrt near 0) are only applied to
+discontinuity in their value (comparisons, argmax, argsort, top_k and
+approx top-k indices, the index of a ``lax.reduce`` argmax, float->int casts,
+floor, sign, unique, log/sqrt near 0) are only applied to
 exact operands, so an integer or boolean output never depends on rounding and
 must match bit for bit; in ``grad`` mode the same holds for ops whose
-derivative has a kink (max/min, maximum, abs, relu, clip, sort, top_k). Float
+derivative has a kink (max/min, maximum, abs, relu, clip, sort, top_k, approx
+top-k; a ``lax.reduce`` gets ``stop_gradient``-ed float operands). Float
 outputs are compared with the derived tolerance of ``fuzzcheck``.
 
 Choices come from a :class:`Draw`; :func:`from_seed` seeds a
@@ -311,7 +318,7 @@ class Program:
   # -- running ------------------------------------------------------------------
   def build(self, oracle: bool = False) -> Callable:
     ns = namespace(oracle)
-    exec(compile(self.fn_source(), f"<fuzz program>", "exec"), ns)
+    exec(compile(self.fn_source(), "<fuzz program>", "exec"), ns)
     return ns[self.entry]
 
   def args(self, oracle: bool = False) -> list:
@@ -1138,6 +1145,135 @@ class Gen:
         raise Reject("cummax bool")
       self.emit(f"lax.cummax({v.name}, axis={ax % v.rank})", [v], m, "sort:cummax")
 
+  # -- grouped matmul, approximate top-k, reductions of the program's own computation -------
+  def op_ragged_dot(self):
+    """``lax.ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes[g])``: row block ``j`` of
+    lhs times ``rhs[j]``; rows past the groups' total are zero, groups past ``m`` rows
+    are cut. Group sizes: an int32 input (own spec, maybe split) or a constant."""
+    dt = self.d.weighted([(4, "f32"), (2, "bf16"), (1, "i32"), (1, "i8")])
+    a = self.pick_or_new(lambda v: v.rank == 2 and v.dtype != "bool", lambda: self.shape(2),
+                         dt, p_new=0.3)
+    m, k = a.shape
+    g = self.d.weighted([(2, 1), (3, 2), (3, 3), (2, 4)])
+    n = self.dim()
+    while g * k * n > MAX_ELEMS // 2 and n > 1:
+      n -= 1
+
+    def ok(w):
+      return w.dtype == a.dtype and w.rank == 3 and w.shape[1] == k and w is not a
+
+    b = self.pick_or_new(ok, lambda: (g, k, n), a.dtype, p_new=0.85)
+    g = b.shape[0]
+    # the groups cover fewer rows than m (the rest are zero), all of them, or more
+    cover = self.d.weighted([(2, "less"), (3, "all"), (1, "more")])
+    total = (self.d.int(0, max(0, m - 1)) if cover == "less" else m if cover == "all"
+             else m + self.d.int(1, 2))
+    cuts = sorted(self.d.int(0, total) for _ in range(g - 1))
+    sizes = np.diff([0] + cuts + [total]).astype(np.int32)
+    if self.d.bool(0.6):
+      gs = self.new_input((g,), "i32", values=sizes)
+      gsrc, used, how = gs.name, [gs], "input"
+    else:
+      gsrc, used, how = f"jnp.array({sizes.tolist()}, i32)", [], "const"
+    if a.is_float:
+      e = None if a.e is None or b.e is None else a.e + b.e
+      mag = a.mag * b.mag * k
+      meta = dict(exact=a.ongrid and b.ongrid and fits(a.dtype, e, mag), e=e, mag=mag)
+    else:
+      meta = dict(mag=min(a.mag * b.mag * k, INT_MAX[a.dtype] + 1))
+    self.features.add(f"ragged_dot:sizes_{how}")
+    # ints: in the float64 oracle one of them may be int64 (lax does not promote)
+    bsrc = b.name if a.is_float else f"{b.name}.astype({a.name}.dtype)"
+    self.emit(f"lax.ragged_dot({a.name}, {bsrc}, {gsrc})", [a, b] + used, meta,
+              f"ragged_dot:{a.dtype}")
+
+  def op_approx_top_k(self):
+    """``lax.approx_max_k`` / ``approx_min_k`` along a random dim, small k. On CPU it is
+    a sort whose comparison is not an order with NaN (which element comes first is up
+    to the sort), so NaNs are replaced first; indices are discontinuous and values
+    kinked, as for ``top_k``."""
+    v = self.pick_or_new(lambda v: v.rank >= 1 and v.is_float,
+                         lambda: self.shape(self.d.int(1, 3)),
+                         self.d.weighted([(3, "f32"), (1, "bf16")]), p_new=0.25)
+    if self.mode == "grad" and not self.kink_ok(v):
+      raise Reject("kink")
+    ax = self.d.int(-v.rank, v.rank - 1)
+    k = self.d.int(1, min(v.shape[ax], 4))
+    which = self.d.choice(["max", "min"])
+    recall = ", recall_target=0.9" if self.d.bool(0.3) else ""
+    src = (f"lax.approx_{which}_k(jnp.where(jnp.isnan({v.name}), 0.0, {v.name}), {k}, "
+           f"reduction_dimension={ax}{recall})")
+    outs = self.emit(src, [v], [self.same(v), {}], f"approx_top_k:{which}")
+    if not self.discrete_ok(v):
+      outs[1].hidden = True     # indices of near-ties: not compared
+      self.uncomparable.add(outs[1].name)
+      self.features.add("approx_top_k:hidden_idx")
+
+  def op_reduce_variadic(self):
+    """``lax.reduce`` of two operands with a computation of the program's own over
+    random dims: an argmax/argmin of (value, flat index) pairs (NaN wins, then the
+    larger/smaller value, then the smaller index: a total order, so any evaluation
+    order picks the same pair; the init pair loses to every element), or (sum of one,
+    max of the other). In grad mode its float operands are ``stop_gradient``-ed (jax
+    has no JVP of a variadic reduce with an operand of zero tangent, e.g. an int one)."""
+    v = self.pick(lambda v: v.rank >= 1 and v.dtype != "bool")
+    dims = [j for j in range(v.rank) if self.d.bool(0.5)] or [self.d.int(0, v.rank - 1)]
+    n = math.prod(v.shape[j] for j in dims)
+
+    def arg(x: V) -> str:
+      return f"lax.stop_gradient({x.name})" if self.mode == "grad" and x.is_float else x.name
+
+    # inits typed as the operand: an int value may be int64 in the float64 oracle
+    def lowest(x: V, sign: int = -1) -> str:
+      if x.is_float:
+        c = "-inf" if sign < 0 else "inf"
+      else:
+        c = -INT_MAX[x.dtype] - 1 if sign < 0 else INT_MAX[x.dtype]
+      return f"jnp.array({c}, {x.name}.dtype)"
+
+    def vmeta(x: V) -> dict:
+      return self.same(x) if x.is_float else dict(mag=x.mag)
+
+    kind = self.d.weighted([(2, "argmax"), (1, "argmin"), (1.5, "sum_max"), (1, "sum_max_f")])
+    if kind in ("argmax", "argmin"):
+      strides, s = [], 1
+      for j in reversed(dims):
+        strides.insert(0, s)
+        s *= v.shape[j]
+      idx = " + ".join(f"lax.broadcasted_iota(i32, {v.shape}, {j})" +
+                       (f" * {st}" if st != 1 else "") for j, st in zip(dims, strides))
+      cmp = ">" if kind == "argmax" else "<"
+      if v.is_float:
+        better = f"(b[0] {cmp} a[0]) | (jnp.isnan(b[0]) & ~jnp.isnan(a[0]))"
+        tie = "((b[0] == a[0]) | (jnp.isnan(b[0]) & jnp.isnan(a[0])))"
+      else:
+        better, tie = f"(b[0] {cmp} a[0])", "(b[0] == a[0])"
+      comp = (f"lambda a, b: (lambda t: (jnp.where(t, b[0], a[0]), jnp.where(t, b[1], a[1])))"
+              f"({better} | ({tie} & (b[1] < a[1])))")
+      init = f"({lowest(v, -1 if kind == 'argmax' else 1)}, i32({INT_MAX['i32']}))"
+      src = f"lax.reduce(({arg(v)}, {idx}), {init}, {comp}, {tuple(dims)})"
+      outs = self.emit(src, [v], [vmeta(v), {}], f"reduce_variadic:{kind}")
+      if not self.discrete_ok(v):
+        outs[1].hidden = True     # the index of near-ties: not compared
+        self.uncomparable.add(outs[1].name)
+        self.features.add("reduce_variadic:hidden_idx")
+      return
+    if kind == "sum_max":        # (sum of ints, max of v)
+      w = self.pick_or_new(lambda w: w.is_int and w.shape == v.shape, lambda: v.shape,
+                           self.d.choice(INTS), p_new=0.5)
+      wm = dict(mag=min(w.mag * n, INT_MAX[w.dtype] + 1))
+    else:                        # (sum of floats, max of v)
+      if not v.is_float:
+        raise Reject("float sum of ints")
+      w = self.pick_or_new(lambda w: w.dtype == v.dtype and w.shape == v.shape,
+                           lambda: v.shape, v.dtype, p_new=0.3)
+      ok = w.ongrid and fits(w.dtype, w.e, w.mag * n)
+      wm = dict(exact=ok, e=w.e if ok else None, mag=w.mag * n)
+    comp = "lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1]))"
+    init = f"(jnp.array(0, {w.name}.dtype), {lowest(v)})"
+    src = f"lax.reduce(({arg(w)}, {arg(v)}), {init}, {comp}, {tuple(dims)})"
+    self.emit(src, [w, v], [wm, vmeta(v)], f"reduce_variadic:{kind}")
+
   # -- control flow ------------------------------------------------------------------
   def _body_fn(self, v: V, var: str) -> tuple[str, dict]:
     """A shape- and dtype-preserving expression of ``var`` (a value like ``v``)."""
@@ -1203,7 +1339,6 @@ class Gen:
       v = self.pick()
       n = self.d.int(0, 4)
       s, m = self._body_fn(v, "c")
-      ms = [m] * max(n, 1)
       self.emit(f"lax.fori_loop(0, {n}, lambda i, c: {s}, {v.name})", [v],
                 self._grow(v, m, n), "control:fori")
       return
@@ -1320,7 +1455,8 @@ class Gen:
   OPS = [("unary_float", 3), ("unary_int", 1.5), ("cast", 1.5), ("binary", 3),
          ("compare", 1.5), ("where", 1.5), ("reduce", 4), ("dot", 3), ("shape", 3),
          ("pad", 1.5), ("gather", 3), ("dynamic_slice", 3), ("scatter", 3), ("sort", 2.5),
-         ("cond", 1.2), ("scan", 1.5), ("while", 0.8), ("annotate", 3)]
+         ("cond", 1.2), ("scan", 1.5), ("while", 0.8), ("annotate", 3),
+         ("ragged_dot", 0.7), ("approx_top_k", 0.7), ("reduce_variadic", 0.7)]
 
   # -- the whole program -------------------------------------------------------------
   def generate(self) -> Program:

@@ -2,7 +2,8 @@
 
 The derandomized CI slice of ``make fuzz``. Hypothesis draws a random program
 (a small DAG over bool/int8/int32/f32/bf16 inputs with NaN/inf, ranks 0-4,
-gathers, dynamic slices, scatters, sort/top_k/unique, pads, scan/cond/while,
+gathers, dynamic slices, scatters, sort/top_k/approx top-k/unique, grouped
+matmuls (``ragged_dot``), variadic ``lax.reduce``, pads, scan/cond/while,
 uneven sizes, random annotations and in_specs on a random 1-D/2-D/3-D mesh of
 up to 8 devices; value or ``value_and_grad`` mode) and ``fuzzcheck`` compares
 ``gshard.partition`` with ``jax.jit`` on one device: ints, bools and NaN/inf
@@ -62,7 +63,9 @@ def test_generator_covers_the_issue_list():
       "input:nan", "input:inf", "uneven", "even", "in_specs", "annot:shard", "annot:split",
       "annot:replicate", "mode:value", "mode:grad", "gather:*", "scatter:*", "dslice:*",
       "pad:edge", "sort:top_k", "sort:sort", "control:scan", "control:cond",
-      "control:while", "reduce:argmax", "reduce:x_sum", "dot:bool", "dot:i8"}
+      "control:while", "reduce:argmax", "reduce:x_sum", "dot:bool", "dot:i8",
+      "ragged_dot:*", "ragged_dot:sizes_input", "ragged_dot:sizes_const", "approx_top_k:*",
+      "reduce_variadic:argmax", "reduce_variadic:sum_max"}
   want |= {f"mesh:{s}" for s, _ in fuzzgen.MESHES}
   assert want <= seen, sorted(want - seen)
 
@@ -111,3 +114,33 @@ def test_scale_of_a_cancelling_sum_is_the_sum_of_magnitudes():
   vals, scales = fuzzcheck.oracle(prog)
   assert vals[0] == 1.0 and math.isclose(float(scales[0]), 2e8 + 1)
   assert float(scales[1]) >= float(jnp.abs(jnp.tanh(x.astype(np.float64))) @ np.abs(x))
+
+
+def test_scale_rules_of_grouped_matmul_and_variadic_reduce():
+  """``ragged_dot`` scales like a dot (the same grouped matmul of the scales);
+  a ``lax.reduce`` of the program's own computation reduces (value, scale)
+  pairs: a sum adds the scales, a selection takes the selected one's. Neither
+  falls back to the conservative rule."""
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((5, 3)).astype(np.float32)
+  b = rng.standard_normal((2, 3, 2)).astype(np.float32)
+  x = np.array([[1e8, 1.0, -1e8], [2.0, 5.0, 3.0]], np.float32)
+  argmax = ("lambda a, b: (lambda t: (jnp.where(t, b[0], a[0]), jnp.where(t, b[1], a[1])))"
+            "((b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1])))")
+  prog = _prog(["r = lax.ragged_dot(jnp.tanh(x0), x1, jnp.array([1, 3], i32))",
+                f"m, i = lax.reduce((x2, lax.broadcasted_iota(i32, (2, 3), 1)), "
+                f"(f32(-inf), i32(2147483647)), {argmax}, (1,))",
+                "s, t = lax.reduce((x2, x2), (f32(0), f32(-inf)), "
+                "lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), (1,))"],
+               ["r", "m", "i", "s"], [("x0", a, "f32"), ("x1", b, "f32"), ("x2", x, "f32")],
+               ("f32", "f32", "i32", "f32"))
+  before = dict(fuzzcheck.SCALE_FALLBACKS)
+  vals, scales = fuzzcheck.oracle(prog)
+  assert dict(fuzzcheck.SCALE_FALLBACKS) == before
+  a64 = a.astype(np.float64)
+  t = np.abs(np.tanh(a64)) + np.abs(a64)           # S(tanh(a)) = |tanh(a)| + 1 * S(a)
+  want = np.concatenate([t[:1] @ np.abs(b[0]), t[1:4] @ np.abs(b[1]), np.zeros((1, 2))])
+  np.testing.assert_allclose(scales[0], want, rtol=1e-12)
+  assert vals[1].tolist() == [1e8, 5.0] and vals[2].tolist() == [0, 1]
+  assert scales[1].tolist() == [1e8, 5.0]            # the selected element's, not the row's
+  assert vals[3].tolist() == [1.0, 10.0] and scales[3].tolist() == [2e8 + 1, 10.0]
