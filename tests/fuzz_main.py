@@ -150,6 +150,10 @@ def check_isolated(worker: Worker, pid: str, gspmd: bool):
     return None, msg[1], {}
   _, stages, why = msg
   prog = fuzzgen.from_seed(pid)
+  if "reference" not in stages and not why.startswith("timeout"):
+    # jax.jit of the program on one device took the process down: XLA's own
+    # crash, before gshard or GSPMD ran (counted with the invalid programs)
+    return None, f"the one-device jax.jit died: {why}", {}
   died = fuzzcheck.Outcome("crash", f"Abort: {why}", "xla (process died)")
   if "gshard" in stages:        # gshard finished: GSPMD took the process down
     return fuzzcheck.Result(prog, None, stages["gshard"], died), None, {}
@@ -279,6 +283,9 @@ def main(argv=None) -> int:
       if gen_error:
         invalid += 1
         print(f"{pid}: generator error {gen_error}")
+        if gen_error.startswith("the one-device"):
+          out.write(f"\n# ==== {pid}: {gen_error}\n")
+          out.write(fuzzgen.from_seed(pid).repro())
         continue
       prog = r.prog
       if r.single_error:

@@ -518,8 +518,9 @@ def check(prog: Program, gspmd: bool = True, do_gshard: bool = True,
           on_stage=None) -> Result:
   """Run ``prog`` on one device, through gshard and (``gspmd``) through GSPMD.
 
-  ``on_stage(name, outcome)`` is called after each of the two (a driver that
-  runs this in a subprocess learns which one took the process down).
+  ``on_stage(name, outcome)`` is called after the one-device run
+  (``"reference"``, no outcome) and after each of the two (a driver that runs
+  this in a subprocess learns which one took the process down).
   """
   fn = prog.build()
   args = prog.args()
@@ -527,6 +528,8 @@ def check(prog: Program, gspmd: bool = True, do_gshard: bool = True,
     want = jax.block_until_ready(jax.jit(fn)(*args))
   except Exception as e:  # noqa: BLE001 - a generator bug: counted, not blamed
     return Result(prog, _first_line(e), None, None)
+  if on_stage is not None:
+    on_stage("reference", None)
   cache = []
 
   def get_oracle():
