@@ -21,7 +21,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.sharding import TensorSharding
 from gshard.spmd.partition.generic import bind_local, mask_padding, safe_rule
 from gshard.spmd.partition.plan import factor_rule_of, plan_local
 from gshard.spmd.reshard import allreduce_bytes
+from gshard.spmd.sharding import TensorSharding
 
 # Cross-device combine for split non-sum reductions.
 _COMBINE = {"reduce_max": "pmax", "reduce_min": "pmin", "reduce_or": "pmax",
@@ -140,20 +140,18 @@ def top_k_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   Where the candidates would send more than the dim itself, the dim is
   gathered instead (the generic rule)."""
   plan = plan_local(ctx, eqn, ins, scope, allow_other_reduction=True)
-  rank = len(ins[0].shape)
-  dim = eqn.params["axis"] % rank
+  dim = eqn.params["axis"] % len(ins[0].shape)
   (f,) = plan.rule.operands[0][dim]
   axes = plan.choice.get(f, ())
-  x_val = ins[0] if not axes else ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
-  n, k = ctx.num_shards(axes), eqn.params["k"]
-  rows = x_val.sharding.local_shape(x_val.shape, ctx.mesh_sizes)[dim] if axes else 0
-  kl = min(k, rows)
-  dtype = x_val.dtype
-  cheaper = n * kl * (jnp.dtype(dtype).itemsize + 4) < n * rows * jnp.dtype(dtype).itemsize
-  if not axes or not cheaper or not (jnp.issubdtype(dtype, jnp.number)):
-    if axes:                 # the dim gathered: the op on whole rows
-      plan = plan_local(ctx, eqn, ins, scope, blocked=frozenset({f}))
+  if not axes:
     return bind_local(ctx, eqn, plan, ins)
+  dtype, k, n = ins[0].dtype, eqn.params["k"], ctx.num_shards(axes)
+  rows = plan.operands[0].local_shape(ins[0].shape, ctx.mesh_sizes)[dim]
+  kl, size = min(k, rows), jnp.dtype(dtype).itemsize
+  if kl * (size + 4) >= rows * size or not jnp.issubdtype(dtype, jnp.number):
+    # the candidates would send more than the rows: the dim gathered, the op whole
+    return bind_local(ctx, eqn, plan_local(ctx, eqn, ins, scope, blocked=frozenset({f})), ins)
+  x_val = ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
   x = x_val.x
   if x_val.shape[dim] % n:   # padding: the lowest value of top_k's order
     lowest = (lax.bitcast_convert_type(jnp.asarray(-1, _INT_OF[jnp.dtype(dtype).itemsize]),

@@ -45,30 +45,33 @@ def along_dim_rule(in_avals, out_avals, *, dim_param: str, linear: str = "none",
                      linear=linear)
 
 
+def _k_of(in_avals, out_avals, dim: int, *, split: bool) -> FactorRule:
+  """A top-k along ``dim``: the results' factors are the operand's with a k
+  factor (blocked) in place of ``dim``'s, which is a ``reduce`` factor where
+  it may be ``split``, else blocked."""
+  rank = len(in_avals[0].shape)
+  dim %= rank
+  f = letters(rank + 1)
+  ins, out = f[:rank], f[:dim] + f[rank] + f[dim + 1:rank]
+  return factor_rule(f"{ins}->{out},{out}", shapes(in_avals), shapes(out_avals),
+                     other_reduction=f[dim] if split else "",
+                     blocked=f[rank] if split else f[dim] + f[rank])
+
+
 def top_k_rule(in_avals, out_avals, *, axis=-1, **params) -> FactorRule:
   """``top_k(f32[4,50], k=2)``: ``ab->ac,ac reduce={b} blocked={c}``: a split
   ``b`` is each device's top k, then the top k of those
   (``partition/reduce.py``); ``axis`` names the dim (the last by default)."""
   del params
-  rank = len(in_avals[0].shape)
-  dim = axis % rank
-  f = letters(rank + 1)
-  ins, out = f[:rank], f[:dim] + f[rank] + f[dim + 1:rank]
-  return factor_rule(f"{ins}->{out},{out}", shapes(in_avals), shapes(out_avals),
-                     other_reduction=f[dim], blocked=f[rank])
+  return _k_of(in_avals, out_avals, axis, split=True)
 
 
 def approx_top_k_rule(in_avals, out_avals, *, reduction_dimension, **params) -> FactorRule:
-  """``approx_max_k(f32[4,50], k=2)``: ``ab->aC,aC`` with ``b`` and ``C`` blocked.
-  The reduced dim is whole on each device, so each row's result (exact or
-  approximate) is the one the whole operand gives."""
+  """``approx_max_k(f32[4,50], k=2)``: ``ab->ac,ac blocked={bc}``. The reduced
+  dim is whole on each device, so each row's result (exact or approximate)
+  is the one the whole operand gives."""
   del params
-  rank = len(in_avals[0].shape)
-  dim = reduction_dimension % rank
-  f = letters(rank + 1)
-  ins, out = f[:rank], f[:dim] + f[rank] + f[dim + 1:rank]
-  return factor_rule(f"{ins}->{out},{out}", shapes(in_avals), shapes(out_avals),
-                     blocked=f[dim] + f[rank])
+  return _k_of(in_avals, out_avals, reduction_dimension, split=False)
 
 
 def variadic_reduce_rule(in_avals, out_avals, *, dimensions, **params) -> FactorRule:
