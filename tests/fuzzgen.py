@@ -1095,7 +1095,8 @@ class Gen:
   def op_sort(self):
     v = self.pick(lambda v: v.rank >= 1)
     ax = self.d.int(-1, v.rank - 1)
-    kind = self.d.choice(["sort", "argsort", "top_k", "top_k", "unique", "cumsum", "cummax"])
+    kind = self.d.choice(["sort", "argsort", "top_k", "top_k", "unique", "cumsum", "cummax",
+                          "cumsum", "cumprod"])
     kinked = kind in ("sort", "top_k", "cummax")
     if kinked and self.mode == "grad" and not self.kink_ok(v):
       raise Reject("kink")
@@ -1139,11 +1140,22 @@ class Gen:
         m = dict(exact=ok, e=v.e if ok else None, mag=v.mag * n)
       else:
         m = dict(mag=min(v.mag * n, INT_MAX[v.dtype] + 1))
-      self.emit(f"jnp.cumsum({v.name}, axis={ax})", [v], m, "sort:cumsum")
+      if self.d.int(0, 2) == 0:   # the reverse scan (a cumsum's transpose is one)
+        self.emit(f"lax.cumsum({v.name}, axis={ax % v.rank}, reverse=True)", [v], m,
+                  "sort:cumsum_reverse")
+      else:
+        self.emit(f"jnp.cumsum({v.name}, axis={ax})", [v], m, "sort:cumsum")
+    elif kind == "cumprod":
+      if v.is_float or v.dtype == "bool":   # integer products wrap: any order is exact
+        raise Reject("cumprod of a float")
+      self.emit(f"lax.cumprod({v.name}, axis={ax % v.rank}, reverse={self.d.int(0, 1) == 1})",
+                [v], dict(mag=INT_MAX[v.dtype] + 1), "sort:cumprod")
     else:
       if v.dtype == "bool":
         raise Reject("cummax bool")
-      self.emit(f"lax.cummax({v.name}, axis={ax % v.rank})", [v], m, "sort:cummax")
+      op, rev = self.d.choice(["cummax", "cummin"]), self.d.int(0, 1) == 1
+      self.emit(f"lax.{op}({v.name}, axis={ax % v.rank}, reverse={rev})", [v], m,
+                f"sort:{op}")
 
   # -- grouped matmul, approximate top-k, reductions of the program's own computation -------
   def op_ragged_dot(self):

@@ -65,7 +65,8 @@ def test_generator_covers_the_issue_list():
       "pad:edge", "sort:top_k", "sort:sort", "control:scan", "control:cond",
       "control:while", "reduce:argmax", "reduce:x_sum", "dot:bool", "dot:i8",
       "ragged_dot:*", "ragged_dot:sizes_input", "ragged_dot:sizes_const", "approx_top_k:*",
-      "reduce_variadic:argmax", "reduce_variadic:sum_max"}
+      "reduce_variadic:argmax", "reduce_variadic:sum_max", "sort:cumsum", "sort:cumsum_reverse",
+      "sort:cumprod", "sort:cummax", "sort:cummin"}
   want |= {f"mesh:{s}" for s, _ in fuzzgen.MESHES}
   assert want <= seen, sorted(want - seen)
 

@@ -4,7 +4,9 @@
 ``reduce_max``/``reduce_min``/``reduce_or``/``reduce_and`` is reduced locally
 and then combined across the devices (``pmax``/``pmin``); ``argmax``/``argmin``
 take the local winner, then the globally first winner; ``top_k`` takes each
-device's top k, then the top k of the gathered candidates.
+device's top k, then the top k of the gathered candidates; ``cumsum``/
+``cumprod``/``cummax``/``cummin`` scan each block, then combine in the totals
+of the blocks before it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import bind_local, mask_padding, safe_rule
+from gshard.spmd.partition.generic import (bind_local, mask_padding, reduction_identity,
+                                          safe_rule)
 from gshard.spmd.partition.plan import factor_rule_of, plan_local
 from gshard.spmd.reshard import allreduce_bytes
 from gshard.spmd.sharding import TensorSharding
@@ -170,3 +173,65 @@ def top_k_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   top, j = lax.top_k(vals, k, axis=dim)
   out = [top, jnp.take_along_axis(idx_g, j, axis=dim)]
   return [Value(o, whole, tuple(v.aval.shape), v.aval.dtype) for o, v in zip(out, eqn.outvars)]
+
+
+# a cumulative op: its combine, and the reduction whose identity fills padding
+_SCAN = {"cumsum": (lax.add, "reduce_sum"), "cumprod": (lax.mul, "reduce_prod"),
+         "cummax": (lax.max, "reduce_max"), "cummin": (lax.min, "reduce_min")}
+
+
+def cumulative_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``cumsum``/``cumprod``/``cummax``/``cummin`` along a split dim: each
+  device scans its own block; the blocks' totals (each block's last row, its
+  first with ``reverse``) are all-gathered, one row per device instead of the
+  whole dim; each device combines the total of the blocks before it (after
+  it, ``reverse``) into its scan. A block with no real block before it keeps
+  its scan as it is (no combine with an identity). An uneven split's padding
+  holds the op's identity, so a reverse scan carries nothing from it. A float
+  sum's -0.0 becomes 0.0 as in XLA's scan of more than one row, which adds
+  its +0.0 init (a block of one row is not scanned by XLA). Integers come out bit for bit (wrapping sums and
+  products are associative), max/min too; a float sum or product is
+  reassociated at the block boundaries, as a sum over a split dim is."""
+  del idx
+  plan = plan_local(ctx, eqn, ins, scope)
+  dim, reverse = eqn.params["axis"], eqn.params["reverse"]
+  (f,) = plan.rule.operands[0][dim]
+  axes = plan.choice.get(f, ())
+  if not axes:
+    return bind_local(ctx, eqn, plan, ins)
+  op, reduction = _SCAN[eqn.primitive.name]
+  size, n = ins[0].shape[dim], ctx.num_shards(axes)
+  out = plan.results[0]
+  whole = TensorSharding(tuple(() if d == dim else a for d, a in enumerate(out.dims)),
+                         out.partial)
+
+  zero_sign = (eqn.primitive.name == "cumsum" and size > 1
+               and jnp.issubdtype(ins[0].dtype, jnp.floating))
+
+  def scan(x, **params):
+    rows = x.shape[dim]
+    me = ctx.linear_index(axes)
+    identity = jnp.asarray(reduction_identity(reduction, x.dtype), x.dtype)
+    if rows * n != size:   # padding at the dim's end
+      pos = me * rows + lax.broadcasted_iota(jnp.int32, x.shape, dim)
+      x = jnp.where(pos < size, x, identity)
+    local = eqn.primitive.bind(x, **params)
+    total = lax.index_in_dim(local, 0 if reverse else rows - 1, dim)
+    shape = tuple(n if d == dim else m for d, m in enumerate(ins[0].shape))
+    totals = ctx.reshard(Value(total, out, shape, total.dtype), whole, eqn,
+                         "block totals").x
+    j = lax.broadcasted_iota(jnp.int32, totals.shape, dim)
+    before = (j > me) & (j * rows < size) if reverse else j < me
+    offset = _REDUCE[reduction](jnp.where(before, totals, identity), axis=dim,
+                                keepdims=True).astype(local.dtype)   # int8 sums wrap
+    real_before = (me + 1) * rows < size if reverse else me > 0
+    y = jnp.where(real_before, op(offset, local), local)
+    if zero_sign:   # XLA's scan adds its +0.0 init (not to a 1-row block)
+      y = jnp.where(y == 0, jnp.zeros_like(y), y)
+    return y
+
+  return bind_local(ctx, eqn, plan, ins, bind=scan)
+
+
+_REDUCE = {"reduce_sum": jnp.sum, "reduce_prod": jnp.prod, "reduce_max": jnp.max,
+           "reduce_min": jnp.min}

@@ -2,9 +2,11 @@
 
 ``reduce_sum`` over a split dim leaves a pending partial sum (a ``sum``
 factor); ``reduce_max``/``argmax`` ... over a split dim need a cross-device
-reduction of their own kind (``reduce`` factors). Cumulative ops, sorts,
-``top_k``/``approx_top_k`` and a ``lax.reduce`` of the user's own computation
-block their dim.
+reduction of their own kind (``reduce`` factors). ``cumsum``/``cumprod``/
+``cummax``/``cummin`` may keep their dim split (each device scans its block,
+then combines in the blocks before it); ``cumlogsumexp``, sorts,
+``approx_top_k`` and a ``lax.reduce`` of the user's own computation block
+their dim.
 """
 
 from __future__ import annotations
@@ -97,9 +99,19 @@ for _name in ("reduce_prod", "reduce_xor"):     # a split reduced dim is gathere
 for _name in ("argmax", "argmin"):
   register(_name, functools.partial(reduce_rule, kind=_name),
            partition=partition.arg_reduce_rule)
-register("cumsum", functools.partial(along_dim_rule, dim_param="axis", linear="unary"))
-register("cumprod cummax cummin cumlogsumexp",
-         functools.partial(along_dim_rule, dim_param="axis"))
+def cumulative_rule(in_avals, out_avals, *, linear="none", **params) -> FactorRule:
+  """``cumsum(f32[4,8], axis=1)`` is ``ab->ab``: a split ``b`` is each
+  device's scan of its own block, then the total of the blocks before it
+  (after it, ``reverse``) combined in (``partition/reduce.py``)."""
+  del params
+  f = letters(len(in_avals[0].shape))
+  return factor_rule(f"{f}->{f}", shapes(in_avals), shapes(out_avals), linear=linear)
+
+
+register("cumsum", functools.partial(cumulative_rule, linear="unary"),
+         partition=partition.cumulative_rule)
+register("cumprod cummax cummin", cumulative_rule, partition=partition.cumulative_rule)
+register("cumlogsumexp", functools.partial(along_dim_rule, dim_param="axis"))
 register("sort", functools.partial(along_dim_rule, dim_param="dimension"))
 register("top_k", top_k_rule, partition=partition.top_k_rule)
 register("approx_top_k", approx_top_k_rule)
