@@ -803,3 +803,48 @@ def test_a_lookup_from_a_split_table_in_a_scan(where):
   else:
     assert [o.chosen for o in lookup.options] == [False, True], low.explain()
     assert {c.kind for c in low.collectives()} == {"all_to_all", "all_gather"}, low.explain()
+
+
+@st.composite
+def _lookup_accumulations(draw):
+  # the table split on its rows over both axes, the ids over one of them: the
+  # lookup's plan gathers the table (the rows cannot be split by the ids'
+  # axis and pending over it at once) and gives complete rows
+  shape = draw(st.sampled_from([(2, 4), (4, 2), (2, 2)]))
+  batch = draw(st.sampled_from([256, 512, 1024]))
+  rows = draw(st.sampled_from([16, 64]))
+  table_axes = tuple(draw(st.permutations(("a", "b"))))
+  ids_axis = draw(st.sampled_from(("a", "b")))
+  op = draw(st.sampled_from(["add", "sub", "rsub"]))
+  dtype = draw(st.sampled_from([jnp.float32, jnp.int32]))
+  return shape, batch, rows, table_axes, ids_axis, op, dtype
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=_lookup_accumulations())
+def test_a_lookup_left_complete_is_seeded_into_a_pending_sum(case):
+  """``acc = acc +- table[ids[i]]`` in a scan, the table split on its rows:
+  propagation keeps the accumulator a pending sum over the table's axes,
+  while the lookup's plan gathers the table and gives complete rows. The sum
+  then keeps its pending layout by seeding the complete rows (on one device
+  of each group, zeros elsewhere; no communication) rather than resolving
+  the accumulator in every iteration. Exact (small integers)."""
+  shape, batch, rows, table_axes, ids_axis, op, dtype = case
+  m = mesh(shape, ("a", "b"))
+  rng = np.random.default_rng(batch + rows)
+  table = jnp.asarray(rng.integers(-3, 4, (rows, 16)), dtype)
+  ids = jnp.asarray(rng.integers(0, rows, (3, batch)), jnp.int32)
+
+  def f(table, ids):
+    def body(acc, i):
+      t = table[i]
+      if op == "add":
+        return acc + t, None
+      return (acc - t if op == "sub" else t - acc), None
+    return lax.scan(body, jnp.zeros((batch, 16), dtype), ids)[0]
+
+  step = gshard.partition(f, m, in_specs=(P(table_axes), P(None, ids_axis)))
+  np.testing.assert_array_equal(np.asarray(step(table, ids)), np.asarray(jax.jit(f)(table, ids)))
+  resolved = [str(c) for c in step.lower(table, ids).collectives()
+              if c.kind == "psum" and c.primitive in ("add", "sub")]
+  assert not resolved, resolved   # the accumulator is never resolved inside the loop

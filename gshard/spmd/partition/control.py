@@ -14,7 +14,6 @@ a loop body count once per iteration (``scan``'s length is known; a
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
 
 import jax
@@ -25,6 +24,7 @@ from jax.extend import source_info_util
 from jax.extend.core import Literal
 
 from gshard.spmd.partition.context import Context, Value
+from gshard.spmd.partition.generic import seed
 from gshard.spmd.sharding import TensorSharding
 
 
@@ -46,18 +46,6 @@ def _repeated(ctx: Context, n: int):
     yield
   finally:
     ctx.repeat = old
-
-
-def seed(v: Value, target: TensorSharding) -> Value:
-  """``v`` as a pending sum over ``target.partial`` too: along the axes it is
-  not pending over, kept on the first device and zeros elsewhere (their sum
-  is the value). No communication."""
-  missing = target.partial - v.sharding.partial
-  if not missing:
-    return v
-  first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in sorted(missing)])
-  return Value(jnp.where(first, v.x, jnp.zeros_like(v.x)),
-               v.sharding.with_partial(v.sharding.partial | missing), v.shape, v.dtype)
 
 
 def _fit(ctx: Context, v: Value, s: TensorSharding, eqn, role: str) -> Value:

@@ -15,6 +15,7 @@ same two functions. :func:`safe_rule` is the safe path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -143,6 +144,18 @@ def mask_padding(ctx: Context, eqn, plan: LocalPlan, xs: list) -> list:
   return out
 
 
+def seed(v: Value, target: TensorSharding) -> Value:
+  """``v`` as a pending sum over ``target.partial`` too: along the axes it is
+  not pending over, kept on the first device and zeros elsewhere (their sum
+  is the value). No communication."""
+  missing = target.partial - v.sharding.partial
+  if not missing:
+    return v
+  first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in sorted(missing)])
+  return Value(jnp.where(first, v.x, jnp.zeros_like(v.x)),
+               v.sharding.with_partial(v.sharding.partial | missing), v.shape, v.dtype)
+
+
 def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
                window: windowed_einsum.Window | None = None,
                bind: Callable | None = None) -> list[Value]:
@@ -157,6 +170,8 @@ def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
   for j, (v, s) in enumerate(zip(ins, plan.operands)):
     if s is None or (window is not None and window.operand == j):
       xs.append(v.x)          # a literal, or the block that circulates
+    elif s.partial - v.sharding.partial:   # a sum's complete operand seeded (plan._seeds)
+      xs.append(seed(ctx.reshard(v, s, eqn, f"operand {j}"), s).x)
     else:
       xs.append(ctx.reshard(v, s, eqn, f"operand {j}").x)
   xs = mask_padding(ctx, eqn, plan, xs)

@@ -152,9 +152,12 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
       candidates.append(factors.solve(rule, [None] * len(operands), results, mesh))
   keys = [tuple(sorted(c.items())) for c in candidates]
   made: dict[tuple, LocalPlan] = {}     # a repeated candidate is planned and costed once
+  seedable = (frozenset.intersection(*[o.target.partial for o in outs])
+              if rule.linear == "sum" and all(o.target is not None for o in outs)
+              else frozenset())
   for k, c in zip(keys, candidates):
     if k not in made:
-      made[k] = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction)
+      made[k] = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction, seedable)
   plans = [made[k] for k in keys]
   base = min(1, len(plans) - 1)          # the operands' own layout
   if len(made) == 1 and not (contraction or lookup):   # one candidate: nothing to weigh
@@ -333,7 +336,8 @@ def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
   (and a lookup's pending sum where it is resolved downstream)."""
   total = 0
   for v, s in zip(ins, plan.operands):
-    if s is not None and v.sharding != s:
+    if s is not None and v.sharding != s:   # seeding (partial v lacks) sends nothing
+      s = s.with_partial(s.partial & v.sharding.partial)
       total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype, mesh).bytes_per_device
   for o, s in zip(outs, plan.results):
     if o.target is None:
@@ -348,7 +352,8 @@ def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
   return int(total)
 
 
-def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reduction) -> LocalPlan:
+def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reduction,
+              seedable=frozenset()) -> LocalPlan:
   choice = dict(choice)
   sizes = rule.size_of
   compound = {f for dims in rule.operands + rule.results for d in dims if len(d) > 1
@@ -369,6 +374,10 @@ def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reductio
               for v in ins]
   passes = any(partials) and all(factors.lets_through(rule.linear, partials, i)
                                  for i, p in enumerate(partials) if p)
+  pend = [None if v.sharding is None else v.sharding.partial for v in ins]
+  seeds = _seeds(rule, ins, seedable) if not passes else frozenset()
+  if seeds:   # the complete operands of a sum seeded as pending: no communication
+    passes, pend = True, [seeds] * len(ins)
   op_dims = [None if v.sharding is None else tuple(factors.unproject(dims, choice, sizes, mesh))
              for v, dims in zip(ins, rule.operands)]
   res_dims = [tuple(factors.unproject(dims, choice, sizes, mesh)) for dims in rule.results]
@@ -377,22 +386,40 @@ def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reductio
     # A pending sum passes only where no operand or result is split over its
     # axes: x * sum(x) with x split over them would multiply each block of x
     # by a device's partial sum. Otherwise it is resolved first.
-    carried = frozenset().union(*[v.sharding.partial - {a for x in d for a in x}
-                                  for v, d in zip(ins, op_dims) if d is not None])
+    carried = frozenset().union(*[p - {a for x in d for a in x}
+                                  for p, d in zip(pend, op_dims) if d is not None])
     passes = not carried & split_axes
   operands: list[TensorSharding | None] = []
-  for v, d in zip(ins, op_dims):
+  for p, d in zip(pend, op_dims):
     if d is None:
       operands.append(None)
       continue
     used = {a for x in d for a in x}
-    partial = (v.sharding.partial - used) if passes else frozenset()
+    partial = (p - used) if passes else frozenset()
     operands.append(TensorSharding(d, partial))
   carried = frozenset().union(*[o.partial for o in operands if o is not None])
   reduced = frozenset(a for f in rule.reduction for a in choice.get(f, ()))
   results = [TensorSharding(d, (carried | reduced) - {a for x in d for a in x})
              for d in res_dims]
   return LocalPlan(rule, choice, operands, results)
+
+
+def _seeds(rule: FactorRule, ins, seedable) -> frozenset:
+  """The pending axes a sum's complete operands may be seeded over (kept on
+  the first device of each group, zeros elsewhere: ``seed``) so that its
+  result stays pending where propagation wants it pending: one pending
+  operand set ``P`` within ``seedable`` (the results' targets), the others
+  complete arrays. This is where a partitioner's plan gave a complete value
+  where propagation left a sum pending (a lookup whose table moved): its
+  consumer keeps the sum pending instead of resolving its other operands."""
+  if rule.linear != "sum" or not seedable or any(
+      v.sharding is None or v.mark is not None for v in ins):
+    return frozenset()
+  pending = {v.sharding.partial for v in ins} - {frozenset()}
+  if len(pending) != 1:
+    return frozenset()
+  (p,) = pending
+  return p if p <= seedable else frozenset()
 
 
 def _drop_inexpressible(choice, tensors, sizes, mesh_sizes) -> None:
