@@ -578,12 +578,20 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
+def _accumulated(form, acc, u):
+  """``acc + u`` as ``add``, ``add_any`` (a gradient's), ``acc - u`` or ``u - acc``."""
+  if form == "add_any":
+    return jax.extend.core.primitives.add_jaxvals_p.bind(u, acc)
+  return {"add": lambda: acc + u, "sub": lambda: acc - u, "rsub": lambda: u - acc}[form]()
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_an_accumulator_equals_one_device(data):
   """Random meshes and splits of the summed dim (over one axis or two), scan
   lengths and directions, inits (zeros, a complete value, a pending sum of
-  its own), ``+`` as ``add`` or ``add_any`` (a gradient's), int32 (wrapping:
+  its own), ``+`` as ``add`` or ``add_any`` (a gradient's), ``acc - u`` and
+  ``u - acc`` (linear in the carry too), int32 (wrapping:
   exact) and float32 (small integers: every order of the sums exact), and
   accumulators next to a carry that is not one: equal to one device bit for
   bit. Where the per-step sum is pending, one psum after the loop resolves it
@@ -595,7 +603,8 @@ def test_an_accumulator_equals_one_device(data):
   length = data.draw(st.integers(1, 4), label="length")
   reverse = data.draw(st.booleans(), label="reverse")
   init = data.draw(st.sampled_from(["zeros", "value", "pending"]), label="init")
-  grad_form = data.draw(st.booleans(), label="add_any") and dtype == np.float32
+  form = data.draw(st.sampled_from(["add", "add_any", "sub", "rsub"]), label="form")
+  form = "add" if form == "add_any" and dtype != np.float32 else form
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
   xs = rng.integers(-3, 4, (length, 6, 16)).astype(dtype)
   c0 = rng.integers(-3, 4, (6, 16)).astype(dtype)
@@ -608,10 +617,7 @@ def test_an_accumulator_equals_one_device(data):
     def body(carry, x):
       acc, other = carry
       u = jnp.sum(x * 2, axis=1)                    # a sum over the split dim
-      if grad_form:
-        acc = jax.extend.core.primitives.add_jaxvals_p.bind(u, acc)
-      else:
-        acc = acc + u
+      acc = _accumulated(form, acc, u)
       return (acc, other * 2 + u[0]), u[-1]         # other: reads itself, not one
     (acc, other), ys = lax.scan(body, (acc0, c0[0, 0]), xs, reverse=reverse)
     return acc, other, ys
@@ -668,7 +674,7 @@ def test_a_while_loops_accumulated_gradient_is_summed_once_after_the_loop(n):
 @given(data=st.data())
 def test_a_while_accumulator_equals_one_device(data):
   """The scan property above for ``while_loop``: random meshes and splits,
-  trip counts 0-4 (traced), inits, ``add``/``add_any``, int32 and float32
+  trip counts 0-4 (traced), inits, ``add``/``add_any``/``sub``, int32 and float32
   (small integers: exact in any order), a carry that is not an accumulator
   beside it, and a cond that sometimes reads the accumulator (then it is
   summed every iteration, as the cond needs its value). Bit for bit; where
@@ -679,7 +685,8 @@ def test_a_while_accumulator_equals_one_device(data):
   dtype = data.draw(st.sampled_from([np.float32, np.int32]), label="dtype")
   count = data.draw(st.integers(0, 4), label="count")
   init = data.draw(st.sampled_from(["zeros", "value", "pending"]), label="init")
-  grad_form = data.draw(st.booleans(), label="add_any") and dtype == np.float32
+  form = data.draw(st.sampled_from(["add", "add_any", "sub", "rsub"]), label="form")
+  form = "add" if form == "add_any" and dtype != np.float32 else form
   cond_reads = data.draw(st.booleans(), label="cond reads the accumulator")
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
   xs = rng.integers(-3, 4, (4, 6, 16)).astype(dtype)
@@ -698,10 +705,7 @@ def test_a_while_accumulator_equals_one_device(data):
     def body(s):
       i, acc, other = s
       u = jnp.sum(xs[i] * 2, axis=1)                # a sum over the split dim
-      if grad_form:
-        acc = jax.extend.core.primitives.add_jaxvals_p.bind(u, acc)
-      else:
-        acc = acc + u
+      acc = _accumulated(form, acc, u)
       return i + 1, acc, other * 2 + u[0]
     _, acc, other = lax.while_loop(cond, body, (0, acc0, c0[0, 0]))
     return acc, other

@@ -56,8 +56,10 @@ def call_rule(in_avals, out_avals, *, jaxpr_param: str, **params) -> OpRule:
 def accumulators(jaxpr, first: int, n: int) -> frozenset[int]:
   """The carries (of ``n``, whose invars start at ``first``) that only
   accumulate: the body's result for the carry is ``carry + u`` (``add`` or
-  ``add_any``), the carry is read by that add alone, and the sum by nothing
-  else in the body (a micro-batch loop's gradient sum)."""
+  ``add_any``), ``carry - u`` or ``u - carry`` (a sum's pending parts stay
+  the parts of the result either way), the carry is read by that op alone,
+  and the result by nothing else in the body (a micro-batch loop's gradient
+  sum)."""
   uses: dict = {}
   for e in jaxpr.eqns:
     for v in e.invars:
@@ -76,7 +78,7 @@ def accumulators(jaxpr, first: int, n: int) -> frozenset[int]:
   return frozenset(found)
 
 
-_ADDS = frozenset({"add", "add_any"})
+_ADDS = frozenset({"add", "add_any", "sub"})
 
 
 def scan_rule(in_avals, out_avals, *, num_consts, num_carry, jaxpr, **params) -> OpRule:
