@@ -587,3 +587,23 @@ def test_a_padded_output_beside_a_split_cumsum_runs():
   got = gshard.partition(f, m, in_specs=(None,))(x)
   for g, w in zip(got, jax.jit(f)(x)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_a_compiled_step_takes_the_plain_uneven_arrays_it_was_lowered_with():
+  """``step.lower(t).compile()(t)``: the program keeps an uneven input padded;
+  the compiled step pads a plain array on the way in, as the step does
+  (found by review: jax's shape error before), and takes the padded state
+  the step returns as it is."""
+  m = mesh((2, 4), ("data", "model"))
+  def f(s, x):   # returns the next state: "t" is kept padded between steps
+    return {"t": s["t"] * 2 + x.sum()}, x
+
+  step = gshard.partition(f, m, in_specs=({"t": P("model")}, P("data")))
+  t = jnp.arange(60.0).reshape(10, 6)
+  x = jnp.ones((8, 3))
+  compiled = step.lower({"t": t}, x).compile()
+  for args in (({"t": t}, x), (step({"t": t}, x)[0], x)):
+    got = compiled(*args)
+    want = jax.jit(f)(*gshard.unpad(args))
+    for g, w in zip(jax.tree.leaves(gshard.unpad(got)), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

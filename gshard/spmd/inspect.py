@@ -13,6 +13,7 @@ import collections
 import jax
 
 from gshard.spmd.partition.context import Choice, Collective
+from gshard.spmd.partition.padded import is_padded
 from gshard.spmd.sharding import TensorSharding, mesh_str
 
 
@@ -50,7 +51,7 @@ class Lowered:
   def compile(self) -> Compiled:
     """XLA-compile the lowered program (``.as_text()``, ``memory_analysis()``,
     ``cost_analysis()``); call it like the partitioned function."""
-    return Compiled(self._lowered.compile())
+    return Compiled(self._lowered.compile(), self._p, self._program, self._structs)
 
   # -- shardings -------------------------------------------------------------
   @property
@@ -150,19 +151,23 @@ class Lowered:
 class Compiled:
   """The compiled partitioned program: jax's ``Compiled``, called like the
   partitioned function (the same argument pytree; laid out as
-  ``Lowered.in_shardings``, or it is an error, as for jax). Called with the
-  flat leaves of the arguments instead, it returns the flat leaves of the
-  outputs.
+  ``Lowered.in_shardings``, or it is an error, as for jax). An unevenly split
+  input the program keeps padded may also be passed as the plain array it
+  was lowered with: it is padded on the way in, as the partitioned function
+  does. Called with the flat leaves of the arguments instead, it returns the
+  flat leaves of the outputs.
 
   Attributes:
     compiled: jax's ``Compiled`` (``as_text()``, ``memory_analysis()`` ...,
       which are also reachable on this object).
   """
 
-  def __init__(self, compiled):
+  def __init__(self, compiled, partitioned=None, program=None, structs=None):
     self.compiled = compiled
+    self._p, self._program, self._structs = partitioned, program, structs
 
   def __call__(self, *args):
+    args = self._padded(args)
     try:
       return self.compiled(*args)
     except TypeError:
@@ -172,6 +177,21 @@ class Compiled:
         raise
     tree = jax.tree_util.tree_unflatten(args_tree, args)
     return jax.tree_util.tree_leaves(self.compiled(*tree))
+
+  def _padded(self, args):
+    """``args`` with each plain array passed where the program takes a padded
+    one (the array ``lower`` was given) padded and laid out as the program
+    keeps it."""
+    if self._structs is None:
+      return args
+    want = jax.tree_util.tree_leaves(self._structs, is_leaf=is_padded)
+    leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
+    if len(leaves) != len(want):
+      return args
+    for i, (x, w) in enumerate(zip(leaves, want)):
+      if is_padded(w) and not is_padded(x) and tuple(getattr(x, "shape", ())) == w.shape:
+        leaves[i] = self._p._place_leaf(self._program, i, x)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
   def __getattr__(self, name):
     return getattr(self.compiled, name)
