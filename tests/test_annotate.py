@@ -404,3 +404,32 @@ def test_in_specs_not_a_prefix(specs):
       "in_specs must be a pytree prefix of the arguments (a tuple with one entry per "
       "positional argument, PartitionSpecs or None at the leaves)")):
     gshard.infer_shardings(lambda x: x, MESH, in_specs=specs)(X)
+
+
+def test_annotations_apply_to_every_leaf_of_a_pytree():
+  """As ``with_sharding_constraint``: a pytree is annotated leaf by leaf;
+  ``shard`` takes one spec for every leaf or a pytree of specs that is a
+  prefix of the value's (found by review: a tuple was stacked into one array,
+  a dict raised numpy's error)."""
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+  x = jnp.arange(128.0).reshape(8, 16)
+  tree = {"a": x, "b": (x + 1, x + 2)}
+
+  cases = [(lambda t: gshard.shard(t, {"a": P("data"), "b": P(None, "model")}),
+            ["[data,_]", "[_,model]", "[_,model]"]),
+           (lambda t: gshard.shard(t, P("data")), ["[data,_]"] * 3),
+           (lambda t: gshard.split(t, 1, "model"), ["[_,model]"] * 3),
+           (gshard.replicate, ["[_,_]"] * 3)]
+  for annotate, want in cases:
+    def f(t, annotate=annotate):
+      return jax.tree.map(lambda v: v * 2, annotate(t))
+    step = gshard.partition(f, m)
+    assert [str(s) for s in step.lower(tree).out_shardings] == want
+    got = step(tree)
+    assert jax.tree.structure(got) == jax.tree.structure(tree)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(f)(tree))):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  with pytest.raises(ValueError, match="prefix of x's"):
+    gshard.shard(tree, {"a": P()})
+  with pytest.raises(TypeError, match="must be a jax.sharding.PartitionSpec"):
+    gshard.shard(x, "data")

@@ -79,6 +79,18 @@ def _as_array(x):
   return x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
 
 
+def _is_tree(x) -> bool:
+  """A pytree of arrays (a tuple, dict, dataclass ...) rather than one array."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return False
+  leaves = jax.tree.leaves(x)
+  return not (len(leaves) == 1 and leaves[0] is x)
+
+
+def _is_spec(s) -> bool:
+  return s is None or isinstance(s, P)
+
+
 def _check_axes(call: str, x, spec_axes: list[tuple[str, ...]]) -> None:
   seen: dict[str, int] = {}
   for dim, axes in enumerate(spec_axes):
@@ -105,10 +117,13 @@ def shard(x, spec: P):
   """Annotate ``x`` with a general sharding given as a ``PartitionSpec``.
 
   Args:
-    x: an array of rank r.
+    x: an array of rank r, or a pytree of arrays (as for
+      ``jax.lax.with_sharding_constraint``).
     spec: a ``PartitionSpec`` with at most r entries; each entry is None (not
       split), a mesh axis name, a tuple of names (split over their product,
       major first) or ``P.UNCONSTRAINED`` (left for propagation to decide).
+      For a pytree: one spec for every leaf, or a pytree of specs that is a
+      prefix of ``x``'s.
 
   Returns:
     ``x`` unchanged; under gshard the value has this sharding here.
@@ -117,6 +132,17 @@ def shard(x, spec: P):
 
     h = gshard.shard(h, P("data", None, "model"))  # h: f32[B, T, H]
   """
+  if _is_tree(x):
+    if _is_spec(spec):
+      return jax.tree.map(lambda leaf: shard(leaf, spec), x)
+    try:
+      return jax.tree.map(lambda s, sub: shard(sub, s), spec, x, is_leaf=_is_spec)
+    except ValueError as e:
+      raise ValueError(
+          f"shard(x, spec): spec is a pytree of PartitionSpecs whose structure is not a "
+          f"prefix of x's ({jax.tree.structure(x)}): {str(e).splitlines()[0]} Give one "
+          "PartitionSpec, or one "
+          "per subtree of x.") from None
   x = _as_array(x)
   if spec is None:
     spec = P()
@@ -154,7 +180,11 @@ def split(x, dim: int, axis: str | tuple[str, ...]):
   Example::
 
     x = gshard.split(x, dim=0, axis="data")  # x: f32[B, D], B split over 'data'
+
+  A pytree of arrays is annotated leaf by leaf.
   """
+  if _is_tree(x):
+    return jax.tree.map(lambda leaf: split(leaf, dim, axis), x)
   x = _as_array(x)
   rank = np.ndim(x)
   call = f"split(x, dim={dim}, axis={axis!r})"
@@ -181,6 +211,9 @@ def split(x, dim: int, axis: str | tuple[str, ...]):
 
 
 def replicate(x):
-  """Annotate ``x`` as fully replicated: every device holds the whole value."""
+  """Annotate ``x`` as fully replicated: every device holds the whole value
+  (each leaf of a pytree)."""
+  if _is_tree(x):
+    return jax.tree.map(replicate, x)
   x = _as_array(x)
   return _bind(x, Annotation(TensorSharding.replicated(np.ndim(x))), P())

@@ -193,9 +193,10 @@ def layout_of(stacked, *, repeats: int = 1, balance=None, where: str = "stacked"
     if s[:len(layout.lead)] != layout.lead:
       fix = (f"pipeline.stack(layer_params, balance={list(counts)})" if counts is not None
              else f"pipeline.stack(layer_params, repeats={repeats})")
-      raise ValueError(f"{where} leaf {p} has shape {s}, but {where} leaf {paths[0]} has "
-                       f"shape {shapes[0]}: every leaf must start with {layout.describe()}. "
-                       f"Use {fix}.")
+      other = (f", but {where} leaf {paths[0]} has shape {shapes[0]}" if p != paths[0]
+               else "")
+      raise ValueError(f"{where} leaf {p} has shape {s}{other}: every leaf must start with "
+                       f"{layout.describe()}. Use {fix}.")
   return layout
 
 
@@ -211,7 +212,13 @@ def layer_order(stacked, layout: Layout):
 
 
 def unstack(stacked, *, repeats: int = 1, balance=None) -> list:
-  """The list of L per-layer pytrees of a stack (the inverse of :func:`stack`)."""
+  """The list of L per-layer pytrees of a stack (the inverse of :func:`stack`).
+
+  ``repeats`` and ``balance`` must be the ones the stack was made with: the
+  leaves' shapes tell a balance's number of stages and its largest count,
+  not the counts themselves (``[1, 3, 3, 1]`` and ``[3, 1, 3, 1]`` both stack
+  8 layers as ``[4, 3, ...]``), so a different balance of the same shape
+  reads the padding rows as layers."""
   layout = layout_of(stacked, repeats=repeats, balance=balance)
   ordered = layer_order(stacked, layout)
   return [jax.tree.map(lambda a, i=i: a[i], ordered) for i in range(layout.num_layers)]
