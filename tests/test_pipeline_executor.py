@@ -268,3 +268,26 @@ def test_1f1b_temp_memory_shrinks_with_m_where_gpipes_does_not():
   assert gpipe[1] >= 0.625 * gpipe[0], gpipe
   assert one[1] <= 0.35 * one[0], one
   assert one[1] <= 0.35 * gpipe[1], (one, gpipe)
+
+
+OFFLOAD = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+
+@pytest.mark.parametrize("kw", [{"schedule": "1f1b"}, {"schedule": "zero_bubble"},
+                                {"schedule": "interleaved", "repeats": 2},
+                                {"schedule": "gpipe"}], ids=lambda kw: kw["schedule"])
+def test_an_offloading_remat_policy_saves_on_the_device_with_a_warning(kw):
+  """The executor selects residuals by stage and tick from device buffers,
+  and jax cannot select between host and device values: an offloading
+  policy's residuals are saved on the device instead, with a warning; the
+  values are the plain loop's (found by review: jax's select_n/cond error)."""
+  layers, lp, x, t = _inputs(jax.random.PRNGKey(11), megatron_layers, 8, 16)
+  layout = {"repeats": kw["repeats"]} if "repeats" in kw else {}
+  stacked = pipeline.stack(layers, **layout)
+  specs = param_specs(layers, stage_dim=1 if layout else 0, model=False)
+  step = gshard.partition(piped(megatron_layer, 4, remat=OFFLOAD, **kw),
+                          mesh((2, 4), ("data", "stage")), in_specs=(specs, P(), P("data"),
+                                                                     P("data")))
+  with pytest.warns(UserWarning, match="saved on the device instead"):
+    got = step(stacked, lp, x, t)
+  check(megatron_layer, layers, lp, x, t, got, layout, f"offload {kw}")

@@ -58,12 +58,14 @@ the stack's layout, split over the stage axis.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import Offloadable, Saveable
 
 from gshard.pipeline import slots
 from gshard.pipeline.layout import Layout
@@ -149,6 +151,29 @@ def run_schedule(layer_fn: Callable, loss_fn: Callable, stacked, x, loss_params,
 
 # -- the executor ----------------------------------------------------------------------
 
+def _on_device(policy):
+  """``policy`` with its offloads saved on the device instead: the executor
+  stashes residuals in buffers it selects among by stage and tick, and those
+  live in device memory (jax cannot select between host and device values).
+  Values are the same; the offload's memory saving is not had (warned once)."""
+  warned = []
+
+  def kept(prim, *args, **params):
+    case = policy(prim, *args, **params)
+    if isinstance(case, Offloadable):
+      if not warned:
+        warned.append(True)
+        warnings.warn(
+            "pipeline.run: the remat policy offloads residuals to host memory, which a "
+            "schedule with a loss_fn (or a table) keeps in device buffers: the offloaded "
+            "residuals are saved on the device instead (the same values, not the memory "
+            "saving). schedule='gpipe' without a loss_fn applies the offload.",
+            stacklevel=2)
+      return Saveable
+    return case
+  return kept
+
+
 def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_layer, h_aval):
   sched, layout, axis = cfg.schedule, cfg.layout, cfg.axis
   k, m, v = sched.num_stages, sched.num_microbatches, sched.repeats
@@ -156,7 +181,7 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
   remat_all = cfg.remat is True
   fn = layer
   if callable(cfg.remat) and not isinstance(cfg.remat, bool):
-    fn = jax.checkpoint(layer, prevent_cse=False, policy=cfg.remat)
+    fn = jax.checkpoint(layer, prevent_cse=False, policy=_on_device(cfg.remat))
   lp_aval = jax.tree.map(_aval, lp)
   pcs = pieces(fn, (one_layer, jax.tree.map(_aval, shared)), h_aval)
   active = None
