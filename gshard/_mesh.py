@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 
@@ -24,14 +25,24 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices=None) -> Me
                      "mesh dimension.")
   if len(set(names)) != len(names):
     raise ValueError(f"make_mesh(shape={shape}, names={names}): names must be distinct.")
+  if not all(isinstance(a, str) for a in names):
+    raise TypeError(f"make_mesh(shape={shape}, names={names}): names must be strings.")
+  if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1
+             for s in shape):
+    raise ValueError(f"make_mesh(shape={shape}, names={names}): every size must be a "
+                     "positive int.")
   n = 1
   for s in shape:
-    n *= s
-  available = len(devices) if devices is not None else jax.device_count()
-  if n > available:
+    n *= int(s)
+  if devices is not None:
+    if n > len(devices):
+      raise ValueError(
+          f"make_mesh(shape={shape}, names={names}) needs {n} devices but devices= has "
+          f"{len(devices)}. Pass {n} devices, or a shape of {len(devices)} devices.")
+  elif n > jax.device_count():
     raise ValueError(
         f"make_mesh(shape={shape}, names={names}) needs {n} devices but "
-        f"{available} are available. On CPU, set XLA_FLAGS="
+        f"{jax.device_count()} are available. On CPU, set XLA_FLAGS="
         f"--xla_force_host_platform_device_count={n} before importing jax, or use "
         f"jax.sharding.AbstractMesh({shape}, {names}) to lower without devices.")
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),

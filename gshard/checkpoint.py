@@ -126,6 +126,10 @@ def abstract_args(step, *args) -> tuple:
     shapes = jax.eval_shape(lambda k: init(k), jax.random.key(0))
     target = gshard.checkpoint.abstract_args(step, shapes, opt_shapes, batch, batch)
   """
+  if not callable(getattr(step, "program", None)):
+    raise TypeError(f"abstract_args: step must be a partitioned function "
+                    f"(gshard.partition(fn, mesh, ...)), got {step!r}. Partition the train "
+                    "step first; its in_specs decide where each leaf is restored.")
   leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
   logical = [jax.ShapeDtypeStruct(x.shape, x.dtype) if is_padded(x) else x for x in leaves]
   prog = step.program(*jax.tree_util.tree_unflatten(treedef, logical))
@@ -331,6 +335,17 @@ def _check_leaf(key: str, x, saved: dict, where: str) -> None:
         f"gshard.checkpoint.restore: leaf {key}: the checkpoint holds {saved['dtype']}, "
         f"the target wants {_dtype_str(data)}. Restore with the saved dtype and convert "
         "after.")
+  stored = tuple(saved.get("shape", saved_logical))
+  if (not is_padded(x) and getattr(x, "sharding", None) is None
+      and stored != saved_logical):
+    raise ValueError(
+        f"gshard.checkpoint.restore: leaf {key}: the target gives no sharding (a "
+        f"ShapeDtypeStruct of shape {list(logical)}, as jax.eval_shape makes), and the "
+        f"checkpoint at {where} holds it padded to {list(stored)} for an uneven split; "
+        "orbax would place it as saved, which jax cannot hold at the logical shape. "
+        "Give the target's layouts: gshard.checkpoint.abstract_args(step, ...), or "
+        "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P())) for a "
+        "replicated leaf.")
   full = tuple(data.shape)
   if any(f < n for f, n in zip(full, logical)):
     raise ValueError(f"gshard.checkpoint.restore: leaf {key}: a padded array of shape "

@@ -624,7 +624,9 @@ _F4, _B4 = jnp.zeros(4), jnp.zeros(4, bool)
     (lambda c, x: (x + c, None), _F4, {0}),                            # u + c
     (lambda c, x: (c + x * c, None), _F4, set()),                      # c read twice
     (lambda c, x: ((c + x), (c + x).sum()), _F4, set()),               # the sum read again
-    (lambda c, x: (c - x, None), _F4, set()),                          # not an add
+    (lambda c, x: (c - x, None), _F4, {0}),                            # c - u
+    (lambda c, x: (x - c, None), _F4, {0}),                            # u - c
+    (lambda c, x: (c * x, None), _F4, set()),                          # not a sum
     (lambda c, x: ((c[0] + x, c[1] * x), None), (_F4, _F4), {0}),      # one of two
     (lambda c, x: ((c[0] + (x > 0), c[1] + x), None), (_B4, _F4), {1}),  # bool: no
 ])

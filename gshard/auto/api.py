@@ -39,6 +39,7 @@ from gshard.spmd import _gc
 from gshard.spmd.infer import flatten_specs, pinned_graph, trace
 from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
+from gshard.spmd.partition.padded import logical_args
 from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
 
 # Under a memory limit, when the first plan compiles to more than the limit:
@@ -71,25 +72,32 @@ def _program_key(in_specs, annotations) -> tuple:
   return str(in_specs), tuple(annotations)
 
 
+def _number(x) -> bool:
+  """A real number that is not a bool and not NaN."""
+  return isinstance(x, Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
 def _check_options(mesh_sizes, memory_limit, bandwidth, latency, min_bytes, time_limit):
-  if memory_limit is not None and (not isinstance(memory_limit, Real)
-                                   or isinstance(memory_limit, bool) or memory_limit <= 0):
+  if memory_limit is not None and (not _number(memory_limit) or memory_limit <= 0):
     raise ValueError(f"memory_limit={memory_limit!r}: give the bytes one device may hold "
                      "(a positive number, e.g. 16 * 2**30), or None for no limit.")
+  if bandwidth is not None and not isinstance(bandwidth, Mapping):
+    raise ValueError(f"bandwidth={bandwidth!r}: give a dict from mesh axis name to its "
+                     f"relative bandwidth, e.g. {{{next(iter(mesh_sizes))!r}: 1.0}}.")
   for a, bw in (bandwidth or {}).items():
     if a not in mesh_sizes:
       raise ValueError(f"bandwidth names mesh axis {a!r}, which is not in the mesh "
                        f"{mesh_str(mesh_sizes)}. Use one of {list(mesh_sizes)}.")
-    if not isinstance(bw, Real) or bw <= 0:
+    if not _number(bw) or not 0 < bw < math.inf:
       raise ValueError(f"bandwidth[{a!r}]={bw!r}: give a positive relative bandwidth "
                        "(1.0 for the slowest axis, larger for faster ones).")
-  if not isinstance(latency, Real) or latency < 0:
+  if not _number(latency) or not 0 <= latency < math.inf:
     raise ValueError(f"latency={latency!r}: give the bytes a collective costs beyond "
                      "what it sends (a number >= 0).")
-  if not isinstance(min_bytes, Real) or min_bytes < 0:
+  if not _number(min_bytes) or not 0 <= min_bytes < math.inf:
     raise ValueError(f"min_bytes={min_bytes!r}: give the size in bytes below which a "
                      "value stays replicated (a number >= 0).")
-  if not isinstance(time_limit, Real) or time_limit <= 0:
+  if not _number(time_limit) or time_limit <= 0:
     raise ValueError(f"time_limit={time_limit!r}: give the seconds the integer program "
                      "may run (a positive number).")
 
@@ -143,6 +151,8 @@ class AutoShard:
     _check_options(self.mesh_sizes, memory_limit, bandwidth, latency, min_bytes,
                    time_limit)
     self.in_specs = in_specs
+    if memory_limit is not None and math.isinf(memory_limit):
+      memory_limit = None      # no limit
     self.opts = Options(None if memory_limit is None else float(memory_limit),
                         dict(bandwidth or {}), float(latency), int(min_bytes),
                         float(time_limit), float(runner_up_seconds), bool(tie_layers))
@@ -159,6 +169,7 @@ class AutoShard:
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
     ms = self.mesh_sizes
+    args = logical_args(args)
     leaves, paths, specs = flatten_specs(self.in_specs, tuple(args))
     with mesh_context(ms), _gc.paused():     # as gshard.partition builds: spmd/_gc.py
       closed, _ = trace(self.fn, args)

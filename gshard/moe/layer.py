@@ -90,6 +90,16 @@ def moe_apply(params, x, *, expert_axis="expert", model_axis=None, num_selected:
   if jnp.ndim(x) != 3:
     raise ValueError(f"moe_apply: x must be [G, S, M] (groups, tokens per group, "
                      f"d_model), got shape {tuple(jnp.shape(x))}.")
+  shapes = {k: tuple(jnp.shape(params[k])) for k in ("wg", "wi", "wo") if k in params}
+  if len(shapes) < 3:
+    raise ValueError(f"moe_apply: params must be moe_init's {{'wg', 'wi', 'wo'}}, got keys "
+                     f"{sorted(params)}.")
+  m = jnp.shape(x)[-1]
+  if shapes["wg"][0] != m or shapes["wi"][1] != m or shapes["wo"][2] != m:
+    raise ValueError(f"moe_apply: x is {tuple(jnp.shape(x))} (d_model {m}) but params are "
+                     f"for d_model {shapes['wg'][0]} (wg {shapes['wg']}, wi {shapes['wi']}, "
+                     f"wo {shapes['wo']}). Make x's last dim d_model, or the params with "
+                     f"moe_init(key, d_model={m}, ...).")
   x = split(x, 0, expert_axis)
   wg = replicate(params["wg"])
   wi = shard(params["wi"], P(expert_axis, None, model_axis))

@@ -63,7 +63,9 @@ def plot_timeline(timeline, path, *, num_microbatches: int, show_chunk: bool,
   legend.append(Patch(facecolor=_IDLE, edgecolor="none", label="idle (bubble)"))
   ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
   fig.tight_layout()
-  fig.savefig(os.fspath(path), format="png", dpi=110)
+  suffix = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+  fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"
+  fig.savefig(os.fspath(path), format=fmt, dpi=110)
   return str(path)
 
 

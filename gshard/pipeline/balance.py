@@ -204,6 +204,9 @@ def balance(costs, num_stages: int, *, objective: Objective = "max",
   n = len(exact)
   if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
     raise ValueError(f"balance: num_stages must be an int >= 1, got {num_stages!r}.")
+  if n == 0:
+    raise ValueError("balance: costs is empty; give one cost per layer (a list of L >= 1 "
+                     "numbers, e.g. pipeline.layer_costs(...)).")
   if num_stages > n:
     raise ValueError(f"balance: num_stages={num_stages} but costs has {n} layers; each stage "
                      f"needs at least one layer, so use num_stages <= {n}.")

@@ -116,6 +116,13 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
     ``stage_axis`` the pipeline, equal to the plain loop (to float rounding),
     gradients included.
   """
+  if not isinstance(stage_axis, str):
+    raise TypeError(f"run: stage_axis must be the name of one mesh axis (a str), got "
+                    f"{stage_axis!r}. The stages run over one axis, e.g. stage_axis='stage'.")
+  if loss_fn is None and (targets is not None or loss_params is not None):
+    raise ValueError("run: targets and loss_params are the arguments of loss_fn, and no "
+                     "loss_fn was given. Pass loss_fn(loss_params, y, targets) -> scalar, "
+                     "or drop them (run then returns the stack's output).")
   _check_remat(remat)
   layout = layout_of(stacked, repeats=repeats, balance=balance)
   mesh = current_mesh_sizes()

@@ -353,7 +353,8 @@ class Schedule:
 
   def plot(self, path, *, costs: Mapping[str, object] | Costs | None = None,
            title: str | None = None) -> str:
-    """Write a PNG Gantt chart of the schedule to ``path``; returns ``str(path)``.
+    """Write a Gantt chart of the schedule to ``path`` (PNG; SVG, PDF ... by the
+    path's suffix, as matplotlib writes them); returns ``str(path)``.
 
     Stages are rows (stage 0 on top), time runs left to right (ticks, or the
     replay under ``costs`` / this schedule's costs). Each micro-batch has its

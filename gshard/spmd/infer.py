@@ -18,9 +18,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import source_info_util
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import mesh_context
+from gshard.spmd.partition.padded import logical_args
 from gshard.spmd.printing import format_jaxpr
 from gshard.spmd.graph import Graph, source_of
 from gshard.spmd.propagate import Conflict, conflicts, propagate
@@ -65,12 +67,22 @@ def flatten_specs(specs, tree, what: str = "in_specs"):
 
 
 def spec_to_pin(spec: P, shape, mesh_sizes, where: str):
-  """A checked (sharding, open dims) for an argument spec; errors name ``where``."""
+  """A checked (sharding, open dims) for an argument spec; errors name ``where``.
+  A ``NamedSharding`` stands for its spec."""
   shape = tuple(shape)
   rank = len(shape)
+  if isinstance(spec, NamedSharding):
+    spec = spec.spec
+  what = "the output" if where.startswith("out_specs") else "the argument"
+  if not isinstance(spec, P):
+    raise TypeError(
+        f"{where}: got {spec!r} ({type(spec).__name__}) for {what} of shape {shape}, on "
+        f"mesh {mesh_str(mesh_sizes)}; give a jax.sharding.PartitionSpec, e.g. "
+        f"P({', '.join(repr(a) for a in list(mesh_sizes)[:rank])}), or None to let "
+        "propagation decide.")
   if len(spec) > rank:
     raise ValueError(
-        f"{where}: the argument has shape {shape} (rank {rank}) but its spec {spec} "
+        f"{where}: {what} has shape {shape} (rank {rank}) but its spec {spec} "
         f"has {len(spec)} entries, on mesh {mesh_str(mesh_sizes)}. Give at most one "
         f"entry per dimension, e.g. {P(*list(spec)[:rank])}.")
   open_dims = open_dims_of_spec(spec)
@@ -223,6 +235,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
   """
   timings = {}
   t0 = time.perf_counter()
+  args = logical_args(args)
   leaves, paths, specs = flatten_specs(in_specs, tuple(args))
   with mesh_context(mesh_sizes):
     closed, out_shape = trace(fn, args)

@@ -51,6 +51,12 @@ class Lowered:
   def compile(self) -> Compiled:
     """XLA-compile the lowered program (``.as_text()``, ``memory_analysis()``,
     ``cost_analysis()``); call it like the partitioned function."""
+    if self._p._abstract:
+      raise RuntimeError(
+          f"{self._p.__name__}.lower(...).compile(): the mesh is an AbstractMesh "
+          f"{mesh_str(self._p.mesh_sizes)}, which has no devices to compile for. Inspect "
+          "the lowered program (as_text(), collectives(), explain()), or partition over "
+          "a concrete mesh (gshard.make_mesh) to compile and run it.")
     return Compiled(self._lowered.compile(), self._p, self._program, self._structs)
 
   # -- shardings -------------------------------------------------------------
@@ -100,7 +106,13 @@ class Lowered:
     return dict(self._program.timings)
 
   def explain(self, top: int = 20) -> str:
-    """A report a user can act on: largest communication first, with causes."""
+    """A report a user can act on: largest communication first, with causes
+    (the ``top`` largest of each list; None for all)."""
+    if top is None:
+      top = 1 << 62
+    elif isinstance(top, bool) or not isinstance(top, int) or top < 0:
+      raise ValueError(f"explain(top={top!r}): give how many entries to list, an int >= 0 "
+                       "(or None for all).")
     cols = self.collectives()
     res = self._program.result
     lines = [f"gshard partition report: mesh {mesh_str(res.mesh_sizes)}, "

@@ -52,9 +52,12 @@ class TensorSharding:
   partial: frozenset[str] = frozenset()
 
   def __post_init__(self):
-    dims = tuple(tuple(d) for d in self.dims)
+    # a name alone is that one axis (not its characters)
+    dims = tuple((d,) if isinstance(d, str) else tuple(d) for d in self.dims)
     object.__setattr__(self, "dims", dims)
-    object.__setattr__(self, "partial", frozenset(self.partial))
+    partial = self.partial
+    object.__setattr__(self, "partial",
+                       frozenset((partial,) if isinstance(partial, str) else partial))
     used = [a for d in dims for a in d]
     seen: set[str] = set()
     for a in used + sorted(self.partial):
@@ -301,7 +304,12 @@ def mesh_sizes_of(mesh) -> dict[str, int]:
   """Axis name -> size for a jax ``Mesh``/``AbstractMesh`` or a plain mapping."""
   if isinstance(mesh, Mapping):
     return dict(mesh)
-  return dict(mesh.shape)
+  shape = getattr(mesh, "shape", None)
+  if not isinstance(shape, Mapping):
+    raise TypeError(
+        f"mesh must be a jax Mesh or AbstractMesh (e.g. gshard.make_mesh((2, 4), "
+        f"('data', 'model'))), got {mesh!r} ({type(mesh).__name__}).")
+  return dict(shape)
 
 
 def with_auto_axes(mesh):

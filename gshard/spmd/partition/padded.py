@@ -73,7 +73,10 @@ class PaddedArray:
 
   def logical(self):
     """The logical value as a ``jax.Array`` (the padding sliced off; jax lays
-    out the result evenly, so an uneven split dim comes back gathered)."""
+    out the result evenly, so an uneven split dim comes back gathered); of an
+    abstract one (``checkpoint.abstract_args``), its ``ShapeDtypeStruct``."""
+    if isinstance(self.data, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(self.shape, self.data.dtype)
     return self.data[self._index()]
 
   def __array__(self, dtype=None, copy=None):
@@ -122,6 +125,14 @@ def logical_struct(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
   aval = jax.typeof(x)
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def logical_args(args):
+  """``args`` with each ``PaddedArray`` (the uneven state a partitioned step
+  returns) replaced by the ``ShapeDtypeStruct`` of its logical value: what
+  tracing and propagation see of it."""
+  return jax.tree_util.tree_map(lambda x: logical_struct(x) if is_padded(x) else x, args,
+                                is_leaf=is_padded)
 
 
 def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
