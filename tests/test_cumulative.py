@@ -74,6 +74,7 @@ def _same_bits(got, want, what):
   """Equal bits; NaN where the reference has NaN, of either sign (which NaN
   operand a max passes on is XLA's choice, not a value)."""
   assert got.shape == want.shape and got.dtype == want.dtype, what
+  got, want = np.atleast_1d(got), np.atleast_1d(want)
   if np.issubdtype(got.dtype, np.floating) or got.dtype == jnp.bfloat16:
     nan = np.isnan(want.astype(np.float32))
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=what)
@@ -230,3 +231,43 @@ def test_negative_zeros_keep_their_sign_next_to_padding(op, reverse, n):
 
   got, want = _run((2, 4), ("x", "y"), P(None, "y"), f, x)
   _same_bits(got, want, f"{op} reverse={reverse} n={n}")
+
+
+# -- found by review beside the scans: reductions whose combine must not change a bit ------
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=_cases(), to=st.sampled_from([jnp.bfloat16, np.float16]),
+       seed=st.integers(0, 2**16))
+def test_a_sum_rounded_to_a_narrower_float_is_rounded_once(case, to, seed):
+  """``jnp.sum(x, d).astype(bf16)`` with ``d`` split: the f32 sum is resolved
+  before the narrowing conversion (each device rounding its partial sum and
+  summing in bf16 rounds twice: partials 1001 and -1000 give 0, not 1)."""
+  shape, names, dims, axis, spec, _ = case
+  rng = np.random.default_rng(seed)
+  x = (rng.integers(-3, 4, dims) * 1000 + rng.integers(-1, 2, dims)).astype(np.float32)
+
+  def f(v):
+    return jnp.sum(v, axis=axis).astype(to)
+
+  got, want = _run(shape, names, spec, f, jnp.asarray(x))
+  _same_bits(got, want, f"sum axis={axis} {spec} {dims} -> {to}")
+
+
+@pytest.mark.parametrize("n", [4, 6, 7])
+@pytest.mark.parametrize("op", ["or", "and"])
+def test_bitwise_or_and_of_integers_over_a_split_dim(op, n):
+  """An integer or/and is bitwise: no max/min combines it (the dim is gathered)."""
+  x = jnp.asarray(np.random.default_rng(n).integers(0, 256, (3, n)), jnp.int32)
+
+  def f(v):
+    return (jnp.bitwise_or if op == "or" else jnp.bitwise_and).reduce(v, axis=1)
+
+  got, want = _run((2, 4), ("x", "y"), P(None, "y"), f, x)
+  _same_bits(got, want, f"{op} n={n}")
+
+
+@pytest.mark.parametrize("fn", [jnp.argmax, jnp.argmin])
+def test_arg_max_of_signed_zeros_over_a_split_dim_is_the_first(fn):
+  x = jnp.asarray([[-1.0, -0.0, -2.0, 0.0], [1.0, 0.0, 2.0, -0.0]], jnp.float32)
+  got, want = _run((2, 4), ("x", "y"), P(None, "x"), lambda v: fn(v, axis=1), x)
+  _same_bits(got, want, fn.__name__)

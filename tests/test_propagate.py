@@ -704,5 +704,9 @@ def test_a_literal_zero_keeps_a_partial_sum_pending(n, c, ops, dtype, axes, seed
   bits = {jnp.float32: np.uint32, jnp.bfloat16: np.uint16, jnp.int32: np.int32}[dtype]
   np.testing.assert_array_equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
   psums = [col for col in step.lower(*xs).collectives() if col.kind == "psum"]
-  if c == 0:
+  if c == 0 and dtype == jnp.bfloat16:
+    # jnp.sum of bf16 sums in f32 and rounds to bf16: each f32 sum is resolved
+    # before its rounding (rounding partial sums would round twice)
+    assert len(psums) == n, [str(p) for p in psums]
+  elif c == 0:
     assert len(psums) == 1, [str(p) for p in psums]

@@ -79,6 +79,8 @@ GOLDEN = [
     ("clamp scalar bounds", lambda x: lax.clamp(0.0, x, 1.0), [S((8, 16), f32)], "clamp",
      ",ab,->ab", None),
     ("convert f32->bf16", lambda x: x.astype(jnp.bfloat16), [S((8, 16), f32)],
+     "convert_element_type", "ab->ab", None),   # narrowing: rounds each partial sum
+    ("convert bf16->f32", lambda x: x.astype(f32), [S((8, 16), jnp.bfloat16)],
      "convert_element_type", "ab->ab linear=unary", None),
     ("convert f32->i32", lambda x: x.astype(i32), [S((8, 16), f32)],
      "convert_element_type", "ab->ab", None),

@@ -476,8 +476,8 @@ def sum_before_scatter(graph: Graph) -> dict[Tensor, object]:
     if name in _LEAVES:
       return [t] if axes & factors.reduced_axes(b.rule, b.operands, mesh) else None
     if name in _SUM_NODES | _CHAIN_NODES:
-      if name in _CHAIN_NODES and len(b.operands) != 1:
-        return None
+      if name in _CHAIN_NODES and (len(b.operands) != 1 or b.rule.linear != "unary"):
+        return None   # (a narrowing float conversion is not linear: rules.elementwise)
       nodes = [t]
       for o in b.operands:
         sub = None if o is None else tree(o, b, layout, axes)

@@ -79,7 +79,10 @@ def combine_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   except NotImplementedError:   # a case the sharding rule does not cover
     return safe_rule(ctx, eqn, ins, scope, idx)
   combine = _COMBINE[eqn.primitive.name]
-  plan = plan_local(ctx, eqn, ins, scope, allow_other_reduction=True)
+  # or/and of integers are bitwise: no pmax/pmin combines them (the dim gathered)
+  bitwise = (eqn.primitive.name in ("reduce_or", "reduce_and")
+             and ins[0].dtype != jnp.bool_)
+  plan = plan_local(ctx, eqn, ins, scope, allow_other_reduction=not bitwise)
   outs = bind_local(ctx, eqn, plan, ins)
   axes = tuple(a for f in plan.rule.other_reduction for a in plan.choice.get(f, ()))
   if not axes:
@@ -111,6 +114,8 @@ def arg_reduce_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   is_max = eqn.primitive.name == "argmax"
   (masked,) = mask_padding(ctx, eqn, plan, [x_val.x])
   best = (jnp.max if is_max else jnp.min)(masked, axis=axis)   # NaN if a local NaN
+  if jnp.issubdtype(best.dtype, jnp.floating):   # -0.0 equals 0.0: the first index wins
+    best = jnp.where(best == 0, jnp.zeros_like(best), best)
   glob = out.x + (ctx.linear_index(axes) * local_n).astype(out.x.dtype)
   n = ctx.num_shards(axes)
 
@@ -222,8 +227,8 @@ def cumulative_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
                          "block totals").x
     j = lax.broadcasted_iota(jnp.int32, totals.shape, dim)
     before = (j > me) & (j * rows < size) if reverse else j < me
-    offset = _REDUCE[reduction](jnp.where(before, totals, identity), axis=dim,
-                                keepdims=True).astype(local.dtype)   # int8 sums wrap
+    offset = lax.expand_dims(lax.reduce(jnp.where(before, totals, identity), identity,
+                                        _COMBINE_OP[reduction], (dim,)), (dim,))
     real_before = (me + 1) * rows < size if reverse else me > 0
     y = jnp.where(real_before, op(offset, local), local)
     if zero_sign:   # XLA's scan adds its +0.0 init (not to a 1-row block)
@@ -233,5 +238,5 @@ def cumulative_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   return bind_local(ctx, eqn, plan, ins, bind=scan)
 
 
-_REDUCE = {"reduce_sum": jnp.sum, "reduce_prod": jnp.prod, "reduce_max": jnp.max,
-           "reduce_min": jnp.min}
+_COMBINE_OP = {"reduce_sum": lax.add, "reduce_prod": lax.mul, "reduce_max": lax.max,
+               "reduce_min": lax.min}

@@ -61,10 +61,23 @@ register_elementwise("neg copy copy_p real_to_complex xla_metadata_value",
                      linear="unary")
 
 
+def _holds(dst, src) -> bool:
+  """Whether float type ``dst`` represents every value of ``src`` exactly."""
+  a, b = jnp.finfo(src), jnp.finfo(dst)
+  return b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp
+
+
 def convert_rule(in_avals, out_avals, **params) -> FactorRule:
-  """A conversion between float types is linear; to an int or bool it is not."""
+  """A conversion to a float type that holds every value of the source (f32 to
+  f32 or f64, bf16 to f32) is linear; a narrowing one (f32 to bf16) is not,
+  nor one to an int or bool: each device would round its partial sum, and the
+  sum of the rounded parts is not the rounded sum (f32 partials 1001 and
+  -1000 are 1000 and -1000 in bf16)."""
   floats = all(jnp.issubdtype(a.dtype, jnp.inexact) for a in (*in_avals, *out_avals))
-  return elementwise_rule(in_avals, out_avals, linear="unary" if floats else "none",
+  linear = floats and (jnp.issubdtype(in_avals[0].dtype, jnp.complexfloating)
+                       <= jnp.issubdtype(out_avals[0].dtype, jnp.complexfloating)) and \
+      _holds(out_avals[0].dtype, in_avals[0].dtype)
+  return elementwise_rule(in_avals, out_avals, linear="unary" if linear else "none",
                           **params)
 
 
