@@ -228,7 +228,7 @@ def cumulative_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     j = lax.broadcasted_iota(jnp.int32, totals.shape, dim)
     before = (j > me) & (j * rows < size) if reverse else j < me
     offset = lax.expand_dims(lax.reduce(jnp.where(before, totals, identity), identity,
-                                        _COMBINE_OP[reduction], (dim,)), (dim,))
+                                        op, (dim,)), (dim,))
     real_before = (me + 1) * rows < size if reverse else me > 0
     y = jnp.where(real_before, op(offset, local), local)
     if zero_sign:   # XLA's scan adds its +0.0 init (not to a 1-row block)
@@ -236,7 +236,3 @@ def cumulative_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     return y
 
   return bind_local(ctx, eqn, plan, ins, bind=scan)
-
-
-_COMBINE_OP = {"reduce_sum": lax.add, "reduce_prod": lax.mul, "reduce_max": lax.max,
-               "reduce_min": lax.min}
