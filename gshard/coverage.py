@@ -169,7 +169,7 @@ def coverage(fn: Callable, *args, mesh=None, in_specs=None) -> Coverage:
     prog = partition(fn, mesh, in_specs=in_specs).program(*args)
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", PartitionWarning)
-      jax.make_jaxpr(prog.shard_fn)(*prog.flat_avals)   # runs the partition rules
+      prog.per_device()   # runs the partition rules (on padded shapes)
     closed = prog.result.jaxpr
     fallbacks = tuple(prog.recorder.fallbacks)
   counts: collections.Counter = collections.Counter()

@@ -102,3 +102,15 @@ def test_unknown_name_error():
   with pytest.raises(KeyError, match=r"'conv_general_dilated' is not a primitive of this "
                                      r"program; it has \['mul'\]"):
     cov["conv_general_dilated"]
+
+
+def test_uneven_in_specs():
+  """Dims split unevenly are padded inside the program, as ``partition`` pads
+  them: 10 columns over model=4, and a reduction over the padded dim."""
+  f = lambda x, w: jnp.sum(jnp.tanh(x @ w), axis=1)
+  cov = gshard.coverage(f, jnp.ones((6, 12)), jnp.ones((12, 10)),
+                        mesh=mesh((2, 4), ("data", "model")),
+                        in_specs=(P("data"), P(None, "model")))
+  assert sorted(r.primitive for r in cov.primitives) == ["dot_general", "reduce_sum", "tanh"]
+  assert cov.fallbacks == ()
+  assert cov.safe_path == []

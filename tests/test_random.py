@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import gshard
@@ -311,3 +313,73 @@ def test_dropout_mlp_grads_match_one_device(mesh_def):
     assert_bit_equal(keep_got, keep_want)
     assert_trees_close((p_got, loss_got), (p_want, loss_want), rtol=1e-5, atol=1e-6,
                        what=f"step {seed}")
+
+
+# -- typed key arrays held split: moved as their key data --------------------------
+
+def _draw(ks):
+  return jax.vmap(lambda k: jax.random.normal(k, (3,)))(ks.reshape(-1))
+
+
+KEY_PROGRAMS = {
+    # name: f(keys [n, m], ints [n]) -> floats or keys
+    "draw": lambda ks, i: _draw(ks),
+    "lookup in a split table": lambda ks, i: _draw(ks[i % ks.shape[0]]),
+    "transpose and reshape": lambda ks, i: _draw(ks.T.reshape(-1)),
+    "concatenate": lambda ks, i: jax.random.key_data(jnp.concatenate([ks, ks[::-1]])),
+    "where": lambda ks, i: jax.random.key_data(jnp.where((i % 2 == 0)[:, None], ks,
+                                                         ks[::-1])),
+    "fold_in": lambda ks, i: _draw(jax.vmap(jax.vmap(jax.random.fold_in, (0, None)), (0, None))(
+        ks, i[0])),
+    "dynamic slice": lambda ks, i: _draw(jax.lax.dynamic_slice_in_dim(
+        ks, i[0] % ks.shape[0], 1)),
+    "split inside": lambda ks, i: _draw(gshard.split(
+        jax.random.split(ks[0, 0], ks.shape[0]), 0, ("x",))),
+    "returned (state)": lambda ks, i: ks,
+    "returned as new keys": lambda ks, i: jax.vmap(jax.vmap(
+        lambda k: jax.random.split(k)[1]))(ks),
+}
+
+
+@st.composite
+def _key_cases(draw):
+  shape, names = draw(st.sampled_from([((8,), ("x",)), ((2, 4), ("x", "y")),
+                                       ((4, 2), ("x", "y"))]))
+  n = draw(st.sampled_from([1, 2, 3, 5, 6, 8, 12]))
+  m = draw(st.sampled_from([1, 2, 3, 4]))
+  spec0 = draw(st.sampled_from([None, names[0], names[-1], names]))
+  rest = [a for a in names if spec0 is None or a not in (spec0 if isinstance(spec0, tuple)
+                                                         else (spec0,))]
+  spec1 = draw(st.sampled_from([None] + rest))
+  name = draw(st.sampled_from(sorted(KEY_PROGRAMS)))
+  return shape, names, n, m, P(spec0, spec1), name, draw(st.integers(0, 2 ** 31 - 1))
+
+
+@pytest.mark.filterwarnings("error::gshard.PartitionWarning")
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_key_cases())
+def test_key_arrays_split_evenly_or_not(case):
+  """A ``jax.random.key`` array split over the mesh (evenly or not: the
+  padding is key data of zeros), looked up, transposed, concatenated,
+  selected, folded, drawn from and returned: keys and draws bit for bit as
+  on one device. Keys move between layouts as their data (``u32[..., 2]``)."""
+  shape, names, n, m, spec, name, seed = case
+  f = KEY_PROGRAMS[name]
+  ks = jax.random.split(jax.random.key(seed), (n, m))
+  i = jnp.asarray(np.random.default_rng(seed).integers(0, 100, n), jnp.int32)
+  want = jax.jit(f)(ks, i)
+  got = gshard.unpad(gshard.partition(f, mesh(shape, names), in_specs=(spec, P()))(ks, i))
+  if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+    assert got.dtype == want.dtype
+    got, want = jax.random.key_data(got), jax.random.key_data(want)
+  assert_bit_equal(got, want)
+
+
+def test_key_array_committed_to_one_device_split_unevenly():
+  """An uneven key input committed to one device is padded there and moved."""
+  ks = jax.device_put(jax.random.split(jax.random.key(3), 6), jax.devices()[5])
+  step = partitioned(lambda ks: ks, MESH_1D, in_specs=(P("data"),))
+  got = step(ks)
+  assert isinstance(got, gshard.PaddedArray)
+  assert_bit_equal(jax.random.key_data(gshard.unpad(got)), jax.random.key_data(ks))

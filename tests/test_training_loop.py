@@ -239,6 +239,19 @@ def test_inputs_committed_to_one_device_are_moved_onto_the_mesh():
   assert_named_sharding(out, m, P("data", "model"))
 
 
+@pytest.mark.parametrize("where", ["one device", "another mesh"])
+def test_uneven_inputs_committed_elsewhere_are_padded_and_moved(where):
+  """6 rows over 4 devices: padded where the input is, then moved onto the mesh."""
+  m = mesh((4,), ("x",))
+  x = rand(6, 3)
+  x = (jax.device_put(x, jax.devices()[5]) if where == "one device" else
+       jax.device_put(x, NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[4:]), ("y",)),
+                                       P())))
+  out = gshard.partition(lambda a: a * 2, m, in_specs=(P("x"),))(x)
+  assert isinstance(out, gshard.PaddedArray)
+  np.testing.assert_array_equal(np.asarray(gshard.unpad(out)), 2 * np.asarray(x))
+
+
 # -- uneven state: the 1003-row table -------------------------------------------------------
 
 VOCAB, DIM = 1003, 16

@@ -20,11 +20,9 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
 from gshard.spmd import reshard
 from gshard.spmd.rules import FactorRule
-from gshard.spmd.sharding import Axes, TensorSharding
+from gshard.spmd.sharding import Axes, TensorSharding, itemsize
 
 # What an impossible layout change costs: more than any real plan.
 INFEASIBLE = 1e18
@@ -33,14 +31,6 @@ INFEASIBLE = 1e18
 def active_axes(mesh_sizes: Mapping[str, int]) -> tuple[str, ...]:
   """The mesh axes that split anything (size > 1), in mesh order."""
   return tuple(a for a, n in mesh_sizes.items() if n > 1)
-
-
-def itemsize(dtype) -> int:
-  """Bytes per element (4 for dtypes numpy does not know)."""
-  try:
-    return np.dtype(dtype).itemsize
-  except TypeError:
-    return 4
 
 
 def local_bytes(shape: Sequence[int], dtype, sharding: TensorSharding,

@@ -51,6 +51,8 @@ import jax
 import numpy as np
 from jax.extend import core as ex_core
 
+from gshard.spmd.sharding import itemsize
+
 
 class LayerCostWarning(UserWarning):
   """A count is a lower bound: a while loop's trip count could not be read."""
@@ -102,7 +104,7 @@ def _nbytes(aval) -> int:
   dtype = getattr(aval, "dtype", None)
   if dtype is None:
     return 0
-  return _size(aval) * np.dtype(dtype).itemsize
+  return _size(aval) * itemsize(dtype)
 
 
 def _aval(v):

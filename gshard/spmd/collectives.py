@@ -9,6 +9,7 @@ is cut into ``|a1|*|a2|`` blocks of ``ceil(n / k)`` elements and the device at
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -42,7 +43,13 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
         f"mesh {dict(mesh_sizes)} gives local shape {want}.")
   dtype = x_local.dtype
   if math.prod(global_shape) == 0:      # no data: every layout is the empty block
-    return jnp.zeros(plan.dst.local_shape(global_shape, mesh_sizes), dtype)
+    return zeros(plan.dst.local_shape(global_shape, mesh_sizes), dtype)
+  if is_key(dtype):   # PRNG keys move as their data: u32[*shape, 2] for threefry
+    data = apply_plan(jax.random.key_data(x_local),
+                      dataclasses.replace(plan, src=_trailing(plan.src, x_local),
+                                          dst=_trailing(plan.dst, x_local)),
+                      tuple(global_shape) + key_shape(x_local), mesh_sizes, chunks_first)
+    return jax.random.wrap_key_data(data, dtype=dtype)
   order = mesh_axis_order(mesh_sizes)
   for step in plan.steps:
     if step.kind in ("psum_scatter", "all_gather"):
@@ -53,6 +60,37 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
   assert tuple(x_local.shape) == plan.dst.local_shape(global_shape, mesh_sizes)
   assert x_local.dtype == dtype, (plan, dtype, x_local.dtype)
   return x_local
+
+
+def is_key(dtype) -> bool:
+  """Whether ``dtype`` is a typed PRNG key's (``jax.random.key``)."""
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_shape(keys) -> tuple[int, ...]:
+  """The trailing dims ``jax.random.key_data`` adds to ``keys``' shape."""
+  return tuple(keys.dtype._impl.key_shape)
+
+
+def zeros(shape, dtype):
+  """Zeros of ``shape``; for a PRNG key dtype, the key of all-zero data."""
+  if is_key(dtype):
+    data = jnp.zeros(tuple(shape) + tuple(dtype._impl.key_shape), np.uint32)
+    return jax.random.wrap_key_data(data, dtype=dtype)
+  return jnp.zeros(shape, dtype)
+
+
+def pad_zeros(x, widths):
+  """``jnp.pad(x, widths)`` (zeros), for PRNG keys too (padded as their data)."""
+  if not is_key(x.dtype):
+    return jnp.pad(x, widths)
+  data = jnp.pad(jax.random.key_data(x), list(widths) + [(0, 0)] * len(key_shape(x)))
+  return jax.random.wrap_key_data(data, dtype=x.dtype)
+
+
+def _trailing(s, keys):
+  """Sharding ``s`` with the key data's trailing dims added, unsplit."""
+  return dataclasses.replace(s, dims=tuple(s.dims) + ((),) * len(key_shape(keys)))
 
 
 def chunks_first(mesh) -> bool:

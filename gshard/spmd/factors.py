@@ -31,7 +31,7 @@ import numpy as np
 
 from gshard.spmd import reshard
 from gshard.spmd.rules import FactorRule
-from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, is_refinement
+from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, is_refinement, itemsize
 
 MeshSizes = Mapping[str, int]
 
@@ -46,12 +46,8 @@ class Held(Protocol):
 
 
 def nbytes(t: Held) -> int:
-  """Global bytes of ``t`` (4 bytes per element for dtypes numpy does not know)."""
-  try:
-    itemsize = np.dtype(t.dtype).itemsize
-  except TypeError:
-    itemsize = 4
-  return math.prod(t.shape) * itemsize
+  """Global bytes of ``t``."""
+  return math.prod(t.shape) * itemsize(t.dtype)
 
 
 def local_nbytes(t: Held, mesh: MeshSizes) -> int:

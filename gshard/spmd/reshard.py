@@ -61,7 +61,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from gshard.spmd.sharding import Axes, MeshSizes, TensorSharding, validate
+from gshard.spmd.sharding import Axes, MeshSizes, TensorSharding, itemsize, validate
 
 COLLECTIVE_KINDS = ("all_gather", "all_to_all", "psum", "psum_scatter", "ppermute")
 LOCAL_KINDS = ("slice", "pad")
@@ -172,7 +172,7 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding,
   validate(src, global_shape, mesh_sizes, "reshard source")
   validate(dst, global_shape, mesh_sizes, "reshard destination")
   return _plan_cached(src, dst, tuple(int(n) for n in global_shape),
-                      _itemsize(dtype), tuple(dict(mesh_sizes).items()), _is_bool(dtype))
+                      itemsize(dtype), tuple(dict(mesh_sizes).items()), _is_bool(dtype))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -201,13 +201,6 @@ def _is_bool(dtype) -> bool:
     return np.dtype(dtype) == np.bool_
   except TypeError:
     return False
-
-
-def _itemsize(dtype) -> int:
-  try:
-    return np.dtype(dtype).itemsize
-  except TypeError:
-    return int(getattr(dtype, "itemsize", 4))
 
 
 def _drop_trivial_axes(s: TensorSharding, sizes: MeshSizes) -> TensorSharding:

@@ -202,6 +202,15 @@ _DTYPE_SHORT = {"float32": "f32", "float64": "f64", "float16": "f16",
                 "bool": "bool", "complex64": "c64", "key<fry>": "key<fry>"}
 
 
+def itemsize(dtype) -> int:
+  """Bytes per element of ``dtype``: numpy's, or a jax extended dtype's (a
+  threefry PRNG key is 8: its two uint32 words)."""
+  try:   # np.dtype instances and scalar types alike (np.float32, jnp.bfloat16)
+    return np.dtype(dtype).itemsize
+  except TypeError:
+    return int(getattr(dtype, "itemsize", 4))
+
+
 def short_dtype(dtype) -> str:
   """``short_dtype(np.float32) == 'f32'``; jax key dtypes print as themselves."""
   if dtype is None:

@@ -114,7 +114,7 @@ class Program:
       if form and tuple(x.shape) != full:       # padded for another layout
         x = x[tuple(slice(0, n) for n in shape)]
       if tuple(x.shape) != full:
-        x = jax.numpy.pad(x, [(0, f - n) for f, n in zip(full, x.shape)])
+        x = collectives.pad_zeros(x, [(0, f - n) for f, n in zip(full, x.shape)])
       ins.append(x)
     outs = jaxpr_as_fun(self.per_device())(*ins)
     # an output is uneven only as padded state: any other leaves evenly (_boundary)

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd import registry
+from gshard.spmd.collectives import is_key, zeros
 from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.plan import LocalPlan, factor_rule_of, note_options, plan_local
@@ -138,8 +139,9 @@ def mask_padding(ctx: Context, eqn, plan: LocalPlan, xs: list) -> list:
           m = lax.broadcast_in_dim(idx < n, np.shape(x), (d,))
           mask = m if mask is None else (mask & m)
     if mask is not None:
-      fill = reduction_identity(eqn.primitive.name, x.dtype)
-      x = jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+      fill = (zeros((), x.dtype) if is_key(x.dtype)     # keys: a sum of their data
+              else jnp.asarray(reduction_identity(eqn.primitive.name, x.dtype), x.dtype))
+      x = jnp.where(mask, x, fill)
     out.append(x)
   return out
 
@@ -152,7 +154,7 @@ def seed(v: Value, target: TensorSharding) -> Value:
   if not missing:
     return v
   first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in sorted(missing)])
-  return Value(jnp.where(first, v.x, jnp.zeros_like(v.x)),
+  return Value(jnp.where(first, v.x, zeros(np.shape(v.x), v.x.dtype)),
                v.sharding.with_partial(v.sharding.partial | missing), v.shape, v.dtype)
 
 

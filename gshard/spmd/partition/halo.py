@@ -33,6 +33,7 @@ from jax import lax
 from gshard.spmd import collectives
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.plan import plan_local
+from gshard.spmd.sharding import itemsize
 
 
 # -- the geometry of one split dim ---------------------------------------------
@@ -108,7 +109,7 @@ def permute(ctx: Context, x, axes, dest):
 
 def _row_bytes(x, dim: int) -> int:
   rows = np.shape(x)
-  return math.prod(s for i, s in enumerate(rows) if i != dim) * np.dtype(x.dtype).itemsize
+  return math.prod(s for i, s in enumerate(rows) if i != dim) * itemsize(x.dtype)
 
 
 def _fill_rows(x, dim: int, rows: int, fill):

@@ -23,6 +23,7 @@ from jax import lax
 from jax.lax import GatherScatterMode
 
 from gshard.spmd import factors
+from gshard.spmd.collectives import zeros
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.generic import bind_local
 from gshard.spmd.partition.plan import factor_rule_of, note_options, plan_local
@@ -98,7 +99,7 @@ def dynamic_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
       continue
     rows, ok = _rows(ctx, axes, local[d], n, start, sizes[d])
     x = jnp.take(x, rows, axis=d)
-    x = jnp.where(_mask_along(ok, d, x.shape), x, jnp.zeros((), x.dtype))
+    x = jnp.where(_mask_along(ok, d, x.shape), x, zeros((), x.dtype))
   dims = tuple(() if sizes[d] != full[d] else operand.sharding.dims[d]
                for d in range(len(full)))
   partial = frozenset(a for d in split for a in operand.sharding.dims[d])
@@ -210,7 +211,7 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   batch_dims = [i for i in range(out_rank) if i not in dn.offset_dims]
   local_out = out.sharding.local_shape(out.shape, ctx.mesh_sizes)
   mask = lax.broadcast_in_dim(in_range, local_out, batch_dims)
-  y = jnp.where(mask, out.x, jnp.zeros((), out.x.dtype))
+  y = jnp.where(mask, out.x, zeros((), out.x.dtype))
   if oob is not None:
     fill = eqn.params.get("fill_value")
     if fill is None:
@@ -246,7 +247,7 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     # (zeros, a transpose's fresh buffer, are the same on every device)
     first = ctx.linear_index(summed) == 0
     vals[0] = dataclasses.replace(vals[0], x=jnp.where(first, vals[0].x,
-                                                       jnp.zeros((), vals[0].x.dtype)))
+                                                       zeros((), vals[0].x.dtype)))
   split = _index_offsets(ctx, eqn, plan, plan.rule.operands[0],
                          [d for d in dn.inserted_window_dims
                           if d in dn.scatter_dims_to_operand_dims], vals[0])

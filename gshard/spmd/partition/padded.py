@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+
+from gshard.spmd.collectives import pad_zeros
 
 
 @jax.tree_util.register_pytree_node_class
@@ -139,6 +140,11 @@ def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
   """``x`` (an array of its logical shape) as a :class:`PaddedArray` of
   ``full_shape`` laid out as ``sharding``; the padding is zeros."""
   shape = tuple(np.shape(x))
+  if (isinstance(x, jax.Array) and x.committed
+      and x.sharding.device_set != sharding.device_set):
+    # committed elsewhere: padded where it is, then moved (jit refuses the mix)
+    return PaddedArray(jax.device_put(_pad_fn(shape, tuple(full_shape), None)(x), sharding),
+                       shape)
   data = _pad_fn(shape, tuple(full_shape), sharding)(x)
   return PaddedArray(data, shape)
 
@@ -146,4 +152,4 @@ def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
 @functools.lru_cache(maxsize=256)
 def _pad_fn(shape, full_shape, sharding):
   widths = [(0, f - n) for n, f in zip(shape, full_shape)]
-  return jax.jit(lambda x: jnp.pad(x, widths), out_shardings=sharding)
+  return jax.jit(lambda x: pad_zeros(x, widths), out_shardings=sharding)

@@ -33,7 +33,7 @@ from jax import lax
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.halo import permute
 from gshard.spmd.partition.plan import plan_local
-from gshard.spmd.sharding import TensorSharding
+from gshard.spmd.sharding import TensorSharding, itemsize
 
 
 def _moved(ctx: Context, eqn, v: Value, piece, axes, blocks: int, circular: bool, role: str):
@@ -51,7 +51,7 @@ def _moved(ctx: Context, eqn, v: Value, piece, axes, blocks: int, circular: bool
       return jnp.zeros_like(piece)
     dest = lambda i: i + blocks if 0 <= i + blocks < n else None
   got = permute(ctx, piece, axes, dest)
-  nbytes = math.prod(np.shape(piece)) * np.dtype(piece.dtype).itemsize
+  nbytes = math.prod(np.shape(piece)) * itemsize(piece.dtype)
   ctx.record("ppermute", axes, nbytes, eqn, role, v.sharding, v.sharding, v.shape, v.dtype)
   return got
 

@@ -18,14 +18,13 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
 
 from gshard.spmd import factors, registry, reshard
 from gshard.spmd.partials import LOOKUPS
 from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
-from gshard.spmd.sharding import TensorSharding, fit_axes
+from gshard.spmd.sharding import TensorSharding, fit_axes, itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +222,7 @@ def _relocations(rule: FactorRule, ins, plan: LocalPlan, choice, blocked, mesh):
 
 def _held(t, s: TensorSharding, mesh) -> int:
   """Bytes per device of ``t`` (shape, dtype) laid out as ``s``."""
-  size = np.dtype(t.dtype).itemsize if _numpy_dtype(t.dtype) else 4
-  return math.prod(s.local_shape(t.shape, mesh)) * size
+  return math.prod(s.local_shape(t.shape, mesh)) * itemsize(t.dtype)
 
 
 def _footprint(mesh, ins, outs, plan: LocalPlan) -> int:
@@ -237,14 +235,6 @@ def _operand_growth(mesh, ins, plan: LocalPlan) -> int:
   """Bytes per device the plan's operand reshards add to what arrives."""
   return sum(max(0, _held(v, s, mesh) - _held(v, v.sharding, mesh))
              for v, s in zip(ins, plan.operands) if s is not None and v.sharding != s)
-
-
-def _numpy_dtype(dtype) -> bool:
-  try:
-    np.dtype(dtype)
-  except TypeError:
-    return False
-  return True
 
 
 def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],

@@ -21,7 +21,7 @@ from gshard.spmd.partition.generic import bind_local, generic_rule
 from gshard.spmd.partition.halo import (blocked_reason, check_shape, dilate, halo_plan,
                                         haloed, permute)
 from gshard.spmd.partition.plan import LocalPlan, plan_local
-from gshard.spmd.sharding import TensorSharding
+from gshard.spmd.sharding import TensorSharding, itemsize
 
 
 def iota_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
@@ -169,7 +169,7 @@ def rev_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     if n == 1:           # axes of size 1: the block is the whole dim
       continue
     x = permute(ctx, x, axes, lambda i: n - 1 - i)
-    ctx.record("ppermute", axes, int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize,
+    ctx.record("ppermute", axes, int(np.prod(np.shape(x))) * itemsize(x.dtype),
                eqn, f"operand 0 blocks reversed (dim {d})", v.sharding, out_s, v.shape,
                v.dtype)
   y = lax.rev(x, eqn.params["dimensions"])

@@ -66,7 +66,7 @@ from jax import lax
 
 from gshard.spmd import collectives
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.sharding import TensorSharding
+from gshard.spmd.sharding import TensorSharding, itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +98,8 @@ class Window:
   held: int
 
 
-def _itemsize(dtype) -> int:
-  return np.dtype(dtype).itemsize
-
-
 def _local_bytes(s: TensorSharding, shape, dtype, sizes) -> int:
-  return math.prod(s.local_shape(shape, sizes)) * _itemsize(dtype)
+  return math.prod(s.local_shape(shape, sizes)) * itemsize(dtype)
 
 
 def cut_axes(wide: TensorSharding, narrow: TensorSharding):
@@ -211,7 +207,7 @@ def _ring_bytes(ctx: Context, eqn, plan, ins, op_dims, j, e, n: int) -> int:
     return 3 * (result // n) + slices
   block = _local_bytes(ins[j].sharding, ins[j].shape, ins[j].dtype, sizes)
   if e is None:                       # contracted: a running sum and a product
-    return 2 * block + 2 * (result // _itemsize(dtype)) * \
+    return 2 * block + 2 * (result // itemsize(dtype)) * \
         _accumulates_in(dtype).itemsize + slices
   return 2 * block + result // n + slices
 
@@ -271,7 +267,7 @@ def run(ctx: Context, eqn, window: Window, plan, ins: list[Value], xs: list,
                               **dict(params, **extra))
 
   def send(x, s, what, src, dst, shape, dtype):
-    ctx.record("ppermute", axes, int(np.size(x)) * _itemsize(x.dtype), eqn,
+    ctx.record("ppermute", axes, int(np.size(x)) * itemsize(x.dtype), eqn,
                f"{what} windowed einsum step {s + 1}/{n - 1}", src, dst, shape, dtype)
     return collectives.permute(x, axes, ctx.mesh_sizes, lambda i: (i - 1) % n)
 
@@ -300,7 +296,7 @@ def run(ctx: Context, eqn, window: Window, plan, ins: list[Value], xs: list,
     # one that reads all n partial products at once.
     acc_dtype = _accumulates_in(out_var.aval.dtype)
     for s in range(n - 1):       # recorded per step; the loop body runs them
-      ctx.record("ppermute", axes, int(np.size(xs[j])) * _itemsize(xs[j].dtype), eqn,
+      ctx.record("ppermute", axes, int(np.size(xs[j])) * itemsize(xs[j].dtype), eqn,
                  f"operand {j} windowed einsum step {s + 1}/{n - 1}", v.sharding,
                  plan.operands[j], v.shape, v.dtype)
 
