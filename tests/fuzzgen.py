@@ -735,13 +735,30 @@ class Gen:
     ax = f"axis={axis}"
     if v.is_float:
       kind = self.d.choice(["sum", "sum", "max", "min", "mean", "x_sum", "logsumexp",
-                            "softmax", "argmax", "argmin", "prod"])
+                            "softmax", "argmax", "argmin", "prod", "vmap_psum", "vmap_pmax"])
     elif v.is_int:
       kind = self.d.choice(["sum", "sum_i8", "max", "min", "argmax", "argmin", "prod_i8",
-                            "x_sum"])
+                            "x_sum", "vmap_psum", "vmap_pmax"])
     else:
       kind = self.d.choice(["any", "all", "sum", "argmax", "argmin", "max"])
     sum_exact = v.ongrid and fits(v.dtype, v.e, v.mag * n)
+    if kind in ("vmap_psum", "vmap_pmax"):
+      # a collective over a vmapped axis: psum[axes=(d,)], the reduction of dim d
+      d = 0 if axis is None else axis % v.rank
+      n = v.shape[d]
+      op = self.d.choice(["pmax", "pmin"]) if kind == "vmap_pmax" else "psum"
+      if op != "psum" and self.mode == "grad" and not self.kink_ok(v):
+        raise Reject("kink")
+      if op != "psum":
+        meta = self.same(v) if v.is_float else dict(mag=v.mag)
+      elif v.is_float:
+        ok = v.ongrid and fits(v.dtype, v.e, v.mag * n)
+        meta = dict(exact=ok, e=v.e if ok else None, mag=v.mag * n)
+      else:
+        meta = dict(mag=min(v.mag * n, INT_MAX[v.dtype] + 1))
+      self.emit(f"jax.vmap(lambda r: lax.{op}(r, 'v'), in_axes={d}, axis_name='v')"
+                f"({v.name})", [v], meta, f"reduce:vmap_{op}")
+      return
     if kind in ("max", "min", "argmax", "argmin") and self.mode == "grad" and \
        not self.kink_ok(v):
       raise Reject("kink")

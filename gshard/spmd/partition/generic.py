@@ -90,8 +90,8 @@ _LOCAL_PARAMS = {
 }
 
 
-_MAX_LIKE = {"reduce_max", "argmax"}
-_MIN_LIKE = {"reduce_min", "argmin"}
+_MAX_LIKE = {"reduce_max", "argmax", "pmax"}
+_MIN_LIKE = {"reduce_min", "argmin", "pmin"}
 
 
 def reduction_identity(name: str, dtype):

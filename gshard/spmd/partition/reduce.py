@@ -25,7 +25,7 @@ from gshard.spmd.sharding import TensorSharding
 
 # Cross-device combine for split non-sum reductions.
 _COMBINE = {"reduce_max": "pmax", "reduce_min": "pmin", "reduce_or": "pmax",
-            "reduce_and": "pmin"}
+            "reduce_and": "pmin", "pmax": "pmax", "pmin": "pmin"}
 
 
 def allreduce_bytes_of(x, n: int) -> int:

@@ -33,6 +33,29 @@ def reduce_rule(in_avals, out_avals, *, axes, kind: str, **params) -> FactorRule
   return factor_rule(spec, shapes(in_avals), shapes(out_avals), other_reduction=reduced)
 
 
+def positional_collective_rule(in_avals, out_avals, *, axes, kind: str,
+                               axis_index_groups=None, **params) -> FactorRule:
+  """``psum``/``pmax``/``pmin`` over positional axes, what ``vmap(axis_name=)``
+  leaves of a collective over the mapped axis: ``psum(f32[6,12], axes=(0,))``
+  is ``reduce_sum``'s ``ab->b sum={a}``. Each operand has factors of its own.
+  Named axes (a collective inside a ``shard_map``) are not this rule's."""
+  del params
+  if axis_index_groups is not None or not all(isinstance(a, int) for a in axes):
+    raise NotImplementedError(f"{kind} over named axes {axes}")
+  ins, outs, start = [], [], 0
+  for aval in in_avals:
+    f = letters(len(aval.shape), start)
+    start += len(f)
+    ins.append(f)
+    outs.append("".join(c for i, c in enumerate(f) if i not in axes))
+  reduced = "".join(c for f in ins for i, c in enumerate(f) if i in axes)
+  spec = ",".join(ins) + "->" + ",".join(outs)
+  if kind == "sum":
+    return factor_rule(spec, shapes(in_avals), shapes(out_avals), reduction=reduced,
+                       linear="unary" if len(ins) == 1 else "none")
+  return factor_rule(spec, shapes(in_avals), shapes(out_avals), other_reduction=reduced)
+
+
 def along_dim_rule(in_avals, out_avals, *, dim_param: str, linear: str = "none",
                    **params) -> FactorRule:
   """Every operand/result shares factors; the dim named by ``dim_param`` is blocked.
@@ -94,6 +117,10 @@ def variadic_reduce_rule(in_avals, out_avals, *, dimensions, **params) -> Factor
 register("reduce_sum", functools.partial(reduce_rule, kind="sum"))
 for _name in ("reduce_max", "reduce_min", "reduce_and", "reduce_or"):
   register(_name, functools.partial(reduce_rule, kind=_name), partition=partition.combine_rule)
+register("psum", functools.partial(positional_collective_rule, kind="sum"))
+for _name in ("pmax", "pmin"):
+  register(_name, functools.partial(positional_collective_rule, kind=_name),
+           partition=partition.combine_rule)
 for _name in ("reduce_prod", "reduce_xor"):     # a split reduced dim is gathered
   register(_name, functools.partial(reduce_rule, kind=_name))
 for _name in ("argmax", "argmin"):
