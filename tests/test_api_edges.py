@@ -198,3 +198,29 @@ def test_schedule_plot_writes_the_format_its_path_names(tmp_path, suffix, magic)
   path = tmp_path / f"s.{suffix}"
   pipeline.schedule("1f1b", num_stages=2, num_microbatches=4).plot(path)
   assert path.read_bytes().startswith(magic)
+
+
+# -- keyword arguments ----------------------------------------------------------
+
+def test_keyword_arguments_take_their_positions():
+  """``step(x, scale=s)`` is ``step(x, s)``: traced, as jax.jit traces kwargs;
+  in_specs and donate_argnums count positions after binding."""
+  def f(x, scale, shift=0.0):
+    return gshard.split(x, 0, "x") * scale + shift
+  m = mesh((8,), ("x",))
+  step = gshard.partition(f, m, in_specs=(P("x"), P(), P()))
+  x = jnp.arange(16.0)
+  want = f(x, 2.0, 1.0)
+  np.testing.assert_array_equal(step(x, 2.0, shift=1.0), want)
+  np.testing.assert_array_equal(step(x, scale=2.0, shift=1.0), want)
+  np.testing.assert_array_equal(step(shift=1.0, scale=2.0, x=x), want)
+  assert step.lower(x, scale=2.0, shift=1.0).as_text()
+
+
+def test_keyword_arguments_without_a_position_are_named():
+  m = mesh((8,), ("x",))
+  step = gshard.partition(lambda x, scale=1.0, *, shift: x * scale + shift, m)
+  with pytest.raises(TypeError, match=r"\['shift'\] have no position.*functools.partial"):
+    step(jnp.ones(8), shift=1.0)
+  with pytest.raises(TypeError, match=r"<lambda>\(\): .*unexpected keyword argument 'bias'"):
+    step(jnp.ones(8), shift=0.0, bias=1.0)

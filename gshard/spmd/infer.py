@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -205,6 +206,27 @@ def trace(fn: Callable, args: Sequence[Any]):
         raise
       names.append(m.group(1))
 
+
+
+def bind_positional(fn: Callable, args: tuple, kwargs: dict, name: str) -> tuple:
+  """``args`` with the keyword arguments ``kwargs`` put at their positions in
+  ``fn``'s signature (as ``jax.jit`` traces them: arrays, not static)."""
+  if not kwargs:
+    return args
+  try:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+  except ValueError:    # no signature to read (a builtin)
+    bound = None
+  except TypeError as e:
+    raise TypeError(f"{name}(): {e}") from None
+  if bound is None or bound.kwargs:
+    names = sorted(kwargs) if bound is None else sorted(bound.kwargs)
+    raise TypeError(
+        f"{name}(): keyword argument(s) {names} have no position to take: they are "
+        "keyword-only, or an earlier parameter with a default was not passed. Pass "
+        "every argument up to them positionally, or bind them first with "
+        f"functools.partial({name}, ...) before gshard.partition.")
+  return bound.args
 
 
 def pinned_graph(jaxpr, mesh_sizes, leaves, paths, specs) -> Graph:

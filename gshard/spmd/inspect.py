@@ -177,6 +177,10 @@ class Compiled:
   def __init__(self, compiled, partitioned=None, program=None, structs=None):
     self.compiled = compiled
     self._p, self._program, self._structs = partitioned, program, structs
+    # the flat inputs taken padded (none: a call passes its arguments as they are)
+    want = jax.tree_util.tree_leaves(structs, is_leaf=is_padded) if structs else []
+    self._pad_at = {i: w for i, w in enumerate(want) if is_padded(w)}
+    self._num_leaves = len(want)
 
   def __call__(self, *args):
     args = self._padded(args)
@@ -194,14 +198,14 @@ class Compiled:
     """``args`` with each plain array passed where the program takes a padded
     one (the array ``lower`` was given) padded and laid out as the program
     keeps it."""
-    if self._structs is None:
+    if not self._pad_at:
       return args
-    want = jax.tree_util.tree_leaves(self._structs, is_leaf=is_padded)
     leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
-    if len(leaves) != len(want):
+    if len(leaves) != self._num_leaves:
       return args
-    for i, (x, w) in enumerate(zip(leaves, want)):
-      if is_padded(w) and not is_padded(x) and tuple(getattr(x, "shape", ())) == w.shape:
+    for i, w in self._pad_at.items():
+      x = leaves[i]
+      if not is_padded(x) and tuple(getattr(x, "shape", ())) == w.shape:
         leaves[i] = self._p._place_leaf(self._program, i, x)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 

@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from gshard.spmd import _gc, collectives
 from gshard.spmd.hoist import gather_early
-from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
+from gshard.spmd.infer import ShardingResult, analyze, bind_positional, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
@@ -409,7 +409,8 @@ class Partitioned:
         out.append(i)
     return out
 
-  def __call__(self, *args):
+  def __call__(self, *args, **kwargs):
+    args = bind_positional(self.fn, args, kwargs, self.__name__)
     with mesh_scope(self.mesh):
       return self._call(*args)
 
@@ -438,7 +439,7 @@ class Partitioned:
     finally:
       self._local.placing = False
 
-  def lower(self, *args, platform: str | None = None):
+  def lower(self, *args, platform: str | None = None, **kwargs):
     """Lower for inspection; ``args`` may be ``jax.ShapeDtypeStruct``s.
 
     The program lowered is the one steady-state calls run: every input laid
@@ -451,6 +452,7 @@ class Partitioned:
           f"{self.__name__}.lower(): the mesh is an AbstractMesh "
           f"{mesh_str(self.mesh_sizes)}, which names no platform. Pass the platform to "
           f"lower for, e.g. {self.__name__}.lower(*args, platform='tpu').")
+    args = bind_positional(self.fn, args, kwargs, self.__name__)
     self._check_arity(len(args))
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
     with mesh_scope(self.mesh):
@@ -506,7 +508,8 @@ def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = 
       whole. ``0`` windows every such dot.
 
   Returns:
-    A :class:`Partitioned` callable; ``.lower(*args)`` inspects it.
+    A :class:`Partitioned` callable (keywords bind to their positions, traced
+    as jax.jit traces them); ``.lower(*args)`` inspects it.
 
   Example::
 
