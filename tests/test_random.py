@@ -352,7 +352,10 @@ def _key_cases(draw):
                                                          else (spec0,))]
   spec1 = draw(st.sampled_from([None] + rest))
   name = draw(st.sampled_from(sorted(KEY_PROGRAMS)))
-  return shape, names, n, m, P(spec0, spec1), name, draw(st.integers(0, 2 ** 31 - 1))
+  # rbg/unsafe_rbg: a vmapped draw reads the whole batch of keys (jax batches
+  # rng_bit_generator from the batch's first key)
+  impl = draw(st.sampled_from(["threefry2x32", "threefry2x32", "rbg", "unsafe_rbg"]))
+  return shape, names, n, m, P(spec0, spec1), name, impl, draw(st.integers(0, 2 ** 31 - 1))
 
 
 @pytest.mark.filterwarnings("error::gshard.PartitionWarning")
@@ -360,13 +363,14 @@ def _key_cases(draw):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(_key_cases())
 def test_key_arrays_split_evenly_or_not(case):
-  """A ``jax.random.key`` array split over the mesh (evenly or not: the
-  padding is key data of zeros), looked up, transposed, concatenated,
-  selected, folded, drawn from and returned: keys and draws bit for bit as
-  on one device. Keys move between layouts as their data (``u32[..., 2]``)."""
-  shape, names, n, m, spec, name, seed = case
+  """A ``jax.random.key`` array (threefry, rbg, unsafe_rbg) split over the
+  mesh (evenly or not: the padding is key data of zeros), looked up,
+  transposed, concatenated, selected, folded, drawn from and returned: keys
+  and draws bit for bit as on one device. Keys move between layouts as their
+  data (``u32[..., 2]``)."""
+  shape, names, n, m, spec, name, impl, seed = case
   f = KEY_PROGRAMS[name]
-  ks = jax.random.split(jax.random.key(seed), (n, m))
+  ks = jax.random.split(jax.random.key(seed, impl=impl), (n, m))
   i = jnp.asarray(np.random.default_rng(seed).integers(0, 100, n), jnp.int32)
   want = jax.jit(f)(ks, i)
   got = gshard.unpad(gshard.partition(f, mesh(shape, names), in_specs=(spec, P()))(ks, i))

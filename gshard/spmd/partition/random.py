@@ -21,12 +21,17 @@ index alone. There the bits are drawn whole on every device and each keeps its
 block (a local slice, no communication, no warning): exact, at the cost of
 drawing the whole array per device (8x the hashing on a 2x4 mesh: measured
 5.4e7 vs 4.2e8 flops per device for a dropout mask of f32[32,256,1024]).
-Key dims (an array of keys) are always split freely: each key draws its own
-bits. ``random_gamma`` draws its sample dims whole too (see its rule).
+Key dims (an array of keys) of a threefry key are split freely: each key
+draws its own bits. Not so for the others: jax batches ``rng_bit_generator``
+(what ``rbg``/``unsafe_rbg`` draw with) from the batch's first key, so under
+``vmap`` a row depends on the whole batch of keys. Their ``random_bits``,
+``random_split``, ``random_fold_in`` and ``random_gamma`` over an array of
+keys run on the whole array on every device, each keeping its block (the keys
+gathered once). ``random_gamma`` draws its sample dims whole too (see its rule).
 
-The key-plumbing primitives (``random_wrap``/``unwrap``/``seed``/``fold_in``/
-``clone``), ``threefry2x32`` and ``bitcast_convert_type`` are elementwise on
-local values: the generic rule. ``reshard`` (jax's explicit-sharding move,
+The key-plumbing primitives (``random_wrap``/``unwrap``/``seed``/``clone``,
+``fold_in`` of threefry keys), ``threefry2x32`` and ``bitcast_convert_type``
+are elementwise on local values: the generic rule. ``reshard`` (jax's explicit-sharding move,
 inserted by samplers given ``out_sharding=``) passes its value through.
 """
 
@@ -42,7 +47,7 @@ from jax import lax
 from jax.extend.random import threefry2x32_p, threefry_prng_impl
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import bind_local
+from gshard.spmd.partition.generic import bind_local, generic_rule
 from gshard.spmd.partition.plan import plan_local
 from gshard.spmd.sharding import TensorSharding
 
@@ -131,11 +136,41 @@ def _counter_based(key_dtype) -> bool:
           and jax.config.jax_threefry_partitionable)
 
 
+def _per_key(key_dtype) -> bool:
+  """Whether each key of an array of keys draws on its own (threefry's
+  vmapped hash), not from its batch (``rng_bit_generator``'s batching)."""
+  return getattr(key_dtype, "_impl", None) is threefry_prng_impl
+
+
+def _whole_keys(ctx: Context, eqn, ins, scope) -> list[Value]:
+  """The op on the whole array of keys (and its other operands) on every
+  device; the interpreter keeps each device's block of the results."""
+  plan = plan_local(ctx, eqn, ins, scope)
+  whole = [TensorSharding.replicated(len(v.shape)) for v in ins]
+  return bind_local(ctx, eqn, dataclasses.replace(plan, operands=whole, results=[
+      TensorSharding.replicated(len(o.aval.shape)) for o in eqn.outvars]), ins)
+
+
+def _batched_keys(eqn) -> bool:
+  """A random op over an array of non-threefry keys (see :func:`_per_key`)."""
+  key = eqn.invars[0].aval
+  return bool(key.shape) and not _per_key(key.dtype)
+
+
+def random_fold_in_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``random_fold_in``: elementwise for threefry keys, whole for the others."""
+  if _batched_keys(eqn):
+    return _whole_keys(ctx, eqn, ins, scope)
+  return generic_rule(ctx, eqn, ins, scope, idx)
+
+
 def _key_expand(ctx: Context, eqn, ins, scope, make) -> list[Value]:
   """Shared by random_bits and random_split: key dims as planned, new dims local.
 
   ``make(b1, b2)`` turns the two threefry words into the result's local value.
   """
+  if _batched_keys(eqn):
+    return _whole_keys(ctx, eqn, ins, scope)
   plan = plan_local(ctx, eqn, ins, scope)
   key = ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
   out = plan.results[0]
@@ -202,6 +237,8 @@ def random_gamma_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   ``rest`` is drawn whole here (``alpha`` gathered along it) and sliced.
   """
   del idx
+  if _batched_keys(eqn):
+    return _whole_keys(ctx, eqn, ins, scope)
   plan = plan_local(ctx, eqn, ins, scope)
   nk = len(ins[0].shape)
   out = plan.results[0]

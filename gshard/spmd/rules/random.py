@@ -94,7 +94,8 @@ def bitcast_rule(in_avals, out_avals, **params) -> FactorRule:
 # gshard chooses layouts itself, so to it ``reshard`` is the identity.
 register("reshard", functools.partial(elementwise_rule, linear="unary"),
          partition=identity_partition)
-register("random_seed random_clone random_fold_in threefry2x32", elementwise_rule)
+register("random_seed random_clone threefry2x32", elementwise_rule)
+register("random_fold_in", elementwise_rule, partition=partition.random_fold_in_rule)
 register("random_wrap", functools.partial(key_data_rule, wrap=True))
 register("random_unwrap", functools.partial(key_data_rule, wrap=False))
 register("random_bits", key_expand_rule, partition=partition.random_bits_rule)
