@@ -10,7 +10,8 @@ What the generator covers: dtypes bool/int8/int32/float32/bfloat16; NaN and
 +-inf in float inputs; ranks 0-4 with dims 1..9 (most splits uneven);
 elementwise math, casts, comparisons, ``where``; reductions (sum, max, min,
 mean, prod, argmax/argmin, any/all, an ``x * jnp.sum(x)`` pattern, logsumexp,
-softmax, int8 sums that wrap); dots and tensordots (bool, int8, float);
+softmax, int8 sums that wrap, ``lax.psum``/``pmax``/``pmin`` over a ``vmap``ped
+axis); dots and tensordots (bool, int8, float);
 transposes, reshapes, slices, flips, rolls, concatenation, broadcasting;
 ``jnp.pad`` (constant, edge, reflect, wrap) and ``lax.pad`` (negative and
 interior); gathers (``x[idx]``, ``x[:, idx]``, ``take`` with fill/clip,
