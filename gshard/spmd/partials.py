@@ -16,9 +16,10 @@ value fans out into several psums downstream that together cost more than one
 psum of the value itself (a layer norm's backward), resolving it at the
 producer is tried, and kept if the total bytes drop. Last, a sum whose
 passing on saves nothing (a gradient scaled by the learning rate, then
-resolved at the same bytes) is resolved where it is made: summed before what
-follows, as the one-device program sums (a lookup's sum is the partitioner's
-to place).
+resolved at the same bytes) is resolved where it is made, or at the first
+value on its way whose psum costs no more (``mean(x @ w, axis=0)``: after
+the reduction, before the division): summed before what follows, as the
+one-device program sums (a lookup's sum is the partitioner's to place).
 
 **Sum before a reduce-scatter** (:func:`sum_before_scatter`, after the
 marking). A contraction whose result's layout splits a dim over the axes it
@@ -381,8 +382,10 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
     if rnd.total < best.total:
       resolved, best = trial, _landed(rnd)
   # A sum passed on only to be resolved further down at the same bytes is
-  # resolved where it is made: a bias gradient scaled by the learning rate, a
-  # weight gradient jax transposes after its dot. Summed before what follows,
+  # resolved where it is made (a bias gradient scaled by the learning rate, a
+  # weight gradient jax transposes after its dot), or, in program order, at
+  # the first value on its way where that costs no more (a dot's sum reduced
+  # over rows, then divided: resolved before the division). Summed before what follows,
   # it is what the one-device program computes (no 0 * inf = NaN on a device
   # whose term is 0), and XLA fuses the ops after the psum with the update
   # (XLA:CPU also folds a transpose met before the psum into the dot, a
@@ -394,7 +397,10 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   for k, b in enumerate(graph.bounds):
     leaves = b.eqn.primitive.name in ("scan", "while") and any(
         o is not None and len(o.scope) > len(b.scope) for o in b.operands)
-    if not (reduced[k] or leaves) or b.eqn.primitive.name in LOOKUPS:
+    # a call's results are its body's, tried inside it (a lookup's stays the
+    # partitioner's to place, called or not)
+    passes = not sub_jaxprs(b.eqn.params)
+    if not (reduced[k] or leaves or passes) or b.eqn.primitive.name in LOOKUPS:
       continue
     for t in b.results:
       if t is None or t in resolved or not best.pending.get(t):
