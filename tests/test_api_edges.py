@@ -4,12 +4,15 @@ and must now work or fail with an error that names the argument and a fix."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -217,10 +220,71 @@ def test_keyword_arguments_take_their_positions():
   assert step.lower(x, scale=2.0, shift=1.0).as_text()
 
 
-def test_keyword_arguments_without_a_position_are_named():
-  m = mesh((8,), ("x",))
-  step = gshard.partition(lambda x, scale=1.0, *, shift: x * scale + shift, m)
-  with pytest.raises(TypeError, match=r"\['shift'\] have no position.*functools.partial"):
-    step(jnp.ones(8), shift=1.0)
-  with pytest.raises(TypeError, match=r"<lambda>\(\): .*unexpected keyword argument 'bias'"):
-    step(jnp.ones(8), shift=0.0, bias=1.0)
+def _f4(a, b, c=0.5, *, d=0.25):
+  return gshard.split(a, 0, "x") * b + 3 * c - d
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 2), st.lists(st.sampled_from("bcd"), unique=True), st.randoms())
+def test_any_mix_of_positions_and_keywords_is_jax_jits(n_pos, named, rnd):
+  """Arguments up to ``n_pos`` by position, then any of the others by keyword
+  in any order (keyword-only ``d``, a skipped default ``c`` before a given
+  one): the values jax.jit gives, traced once per set of keywords."""
+  values = {"a": jnp.arange(16.0), "b": jnp.float32(2.0), "c": jnp.float32(1.5),
+            "d": jnp.float32(4.0)}
+  order = "abcd"
+  pos = [values[k] for k in order[:n_pos]]
+  kw = {k: values[k] for k in named if order.index(k) >= n_pos or k == "d"}
+  if n_pos < 2:
+    kw["b"] = values["b"]
+  items = list(kw.items())
+  rnd.shuffle(items)
+  kw = dict(items)
+  traces = []
+
+  def f(*args, **kwargs):
+    traces.append(1)
+    return _f4(*args, **kwargs)
+  step = gshard.partition(functools.wraps(_f4)(f), mesh((8,), ("x",)))
+  want = jax.jit(_f4)(*pos, **kw)
+  np.testing.assert_array_equal(step(*pos, **kw), want)
+  np.testing.assert_array_equal(step(*pos, **dict(reversed(list(kw.items())))), want)
+  assert len(traces) == 1
+
+
+def test_keywords_of_wrappers_and_partials():
+  """A wrapper's own signature places the keywords (not what it wraps); a
+  partial's bound keywords leave the later ones keywords: as jax.jit."""
+  def f(x, scale, shift=0.0, bias=0.0):
+    return x * scale + shift + 10 * bias
+
+  @functools.wraps(f)
+  def wrapper(extra, *a, **k):
+    return f(*a, **k) + extra
+  m, x = mesh((8,), ("x",)), jnp.arange(8.0)
+  np.testing.assert_array_equal(gshard.partition(wrapper, m)(5.0, x, 2.0, bias=1.0),
+                                jax.jit(wrapper)(5.0, x, 2.0, bias=1.0))
+  p = functools.partial(f, scale=2.0)
+  for kw in ({"shift": 1.0}, {"scale": 3.0}, {"bias": 1.0, "shift": 2.0}):
+    np.testing.assert_array_equal(gshard.partition(p, m)(x, **kw), jax.jit(p)(x, **kw))
+  with pytest.raises(TypeError, match="unexpected keyword argument 'typo'"):
+    gshard.partition(f, m)(x, 2.0, typo=1.0)
+
+
+def test_compiled_takes_keywords_and_flat_plain_leaves():
+  """``lower(...).compile()`` is called as the step is: keywords, and the
+  flat leaves with an uneven input given as its plain (logical) array."""
+  m = mesh((4,), ("x",))
+
+  def step(s, i, scale=1.0):
+    return {"t": s["t"].at[i].add(-scale)}, s["t"][i].sum()
+  s, i = {"t": jnp.ones((1003, 6))}, jnp.array([1, 1002])
+  part = gshard.partition(step, m, in_specs=(P("x"), P()))
+  c = part.lower(s, i, scale=2.0).compile()
+  want = jax.jit(step)(s, i, scale=2.0)
+  got = c(s, i, scale=2.0)
+  np.testing.assert_array_equal(gshard.unpad(got[0])["t"], want[0]["t"])
+  c2 = part.lower(s, i).compile()
+  flat = c2(*jax.tree_util.tree_leaves((s, i)))
+  np.testing.assert_array_equal(flat[-1], jax.jit(step)(s, i)[1])
+  np.testing.assert_array_equal(np.asarray(flat[0])[:1003], jax.jit(step)(s, i)[0]["t"])

@@ -208,25 +208,64 @@ def trace(fn: Callable, args: Sequence[Any]):
 
 
 
-def bind_positional(fn: Callable, args: tuple, kwargs: dict, name: str) -> tuple:
+class Keywords(dict):
+  """The keyword arguments of a call that take no position in the function's
+  signature (keyword-only, after a skipped default, into ``**kwargs``): passed
+  on as keywords, the last positional argument of the traced call. A pytree
+  with its keys sorted (a call's keyword order changes nothing)."""
+
+
+jax.tree_util.register_pytree_with_keys(
+    Keywords,
+    lambda k: ([(jax.tree_util.DictKey(n), k[n]) for n in sorted(k)], tuple(sorted(k))),
+    lambda names, values: Keywords(zip(names, values)))
+
+
+def bind_positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:
   """``args`` with the keyword arguments ``kwargs`` put at their positions in
-  ``fn``'s signature (as ``jax.jit`` traces them: arrays, not static)."""
+  ``fn``'s own signature (a wrapper's, not what it wraps), traced as
+  ``jax.jit`` traces them; those that take no position follow as one
+  :class:`Keywords`, passed to ``fn`` as keywords (see :func:`with_keywords`)."""
   if not kwargs:
     return args
   try:
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-  except ValueError:    # no signature to read (a builtin)
-    bound = None
-  except TypeError as e:
-    raise TypeError(f"{name}(): {e}") from None
-  if bound is None or bound.kwargs:
-    names = sorted(kwargs) if bound is None else sorted(bound.kwargs)
-    raise TypeError(
-        f"{name}(): keyword argument(s) {names} have no position to take: they are "
-        "keyword-only, or an earlier parameter with a default was not passed. Pass "
-        "every argument up to them positionally, or bind them first with "
-        f"functools.partial({name}, ...) before gshard.partition.")
-  return bound.args
+    bound = inspect.signature(fn, follow_wrapped=False).bind(*args, **kwargs)
+  except (TypeError, ValueError):   # no signature, or one they do not fit: fn says
+    return tuple(args) + (Keywords(kwargs),)
+  return bound.args + ((Keywords(bound.kwargs),) if bound.kwargs else ())
+
+
+def with_keywords(fn: Callable, args: tuple, in_specs):
+  """``fn`` and ``in_specs`` for ``args`` (as :func:`bind_positional` gives
+  them): a function of the positional arguments and the trailing
+  :class:`Keywords` if there are any, and ``in_specs`` with ``None``
+  (propagation decides) for the keywords and for trailing positions it does
+  not cover whose parameters have defaults (given, here, by keyword)."""
+  keywords = bool(args) and isinstance(args[-1], Keywords)
+  n = len(args) - keywords
+  if isinstance(in_specs, (tuple, list)) and len(in_specs) < n and _defaulted(
+      fn, len(in_specs), n):
+    in_specs = tuple(in_specs) + (None,) * (n - len(in_specs))
+  if not keywords:
+    return fn, in_specs
+
+  def call(*xs):
+    return fn(*xs[:-1], **xs[-1])
+  call.__name__ = getattr(fn, "__name__", "fn")
+  if isinstance(in_specs, (tuple, list)) and len(in_specs) == n:
+    in_specs = tuple(in_specs) + (None,)
+  return call, in_specs
+
+
+def _defaulted(fn: Callable, start: int, stop: int) -> bool:
+  """Whether ``fn``'s parameters at positions ``start:stop`` all have defaults."""
+  try:
+    params = list(inspect.signature(fn, follow_wrapped=False).parameters.values())
+  except (TypeError, ValueError):
+    return False
+  positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  return len(positional) >= stop and all(p.default is not p.empty
+                                         for p in positional[start:stop])
 
 
 def pinned_graph(jaxpr, mesh_sizes, leaves, paths, specs) -> Graph:
@@ -258,6 +297,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
   timings = {}
   t0 = time.perf_counter()
   args = logical_args(args)
+  fn, in_specs = with_keywords(fn, tuple(args), in_specs)
   leaves, paths, specs = flatten_specs(in_specs, tuple(args))
   with mesh_context(mesh_sizes):
     closed, out_shape = trace(fn, args)

@@ -12,6 +12,7 @@ import collections
 
 import jax
 
+from gshard.spmd import infer
 from gshard.spmd.partition.context import Choice, Collective
 from gshard.spmd.partition.padded import is_padded
 from gshard.spmd.sharding import TensorSharding, mesh_str
@@ -182,16 +183,21 @@ class Compiled:
     self._pad_at = {i: w for i, w in enumerate(want) if is_padded(w)}
     self._num_leaves = len(want)
 
-  def __call__(self, *args):
+  def __call__(self, *args, **kwargs):
+    if kwargs and self._p is not None:      # as the partitioned step binds them
+      args = infer.bind_positional(self._p.fn, args, kwargs)
+    elif kwargs:
+      return self.compiled(*args, **kwargs)
     args = self._padded(args)
     try:
       return self.compiled(*args)
     except TypeError:
       args_tree, _ = self.compiled.in_tree.children()
-      if len(args) != self.compiled.in_tree.num_leaves or \
+      flat = jax.tree_util.tree_leaves(args)       # a PaddedArray as its data
+      if len(flat) != self.compiled.in_tree.num_leaves or \
           jax.tree_util.tree_structure(args) == args_tree:
         raise
-    tree = jax.tree_util.tree_unflatten(args_tree, args)
+    tree = jax.tree_util.tree_unflatten(args_tree, flat)
     return jax.tree_util.tree_leaves(self.compiled(*tree))
 
   def _padded(self, args):

@@ -29,9 +29,9 @@ import numpy as np
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import AbstractMesh, NamedSharding
 
-from gshard.spmd import _gc, collectives
+from gshard.spmd import _gc, collectives, infer
 from gshard.spmd.hoist import gather_early
-from gshard.spmd.infer import ShardingResult, analyze, bind_positional, flatten_specs, spec_to_pin
+from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
@@ -295,7 +295,8 @@ class Partitioned:
     except ValueError as e:
       if self.out_specs is None or not str(e).startswith("out_specs must be"):
         raise
-      outs = jax.tree_util.tree_map(_shape_str, jax.eval_shape(self.fn, *logical_args))
+      fn = infer.with_keywords(self.fn, logical_args, None)[0]
+      outs = jax.tree_util.tree_map(_shape_str, jax.eval_shape(fn, *logical_args))
       raise ValueError(
           f"out_specs={self.out_specs} does not fit what {self.__name__} returns: "
           f"{str(outs).replace(chr(39), '')}. Give one entry per output in that "
@@ -410,7 +411,7 @@ class Partitioned:
     return out
 
   def __call__(self, *args, **kwargs):
-    args = bind_positional(self.fn, args, kwargs, self.__name__)
+    args = infer.bind_positional(self.fn, args, kwargs)
     with mesh_scope(self.mesh):
       return self._call(*args)
 
@@ -452,7 +453,7 @@ class Partitioned:
           f"{self.__name__}.lower(): the mesh is an AbstractMesh "
           f"{mesh_str(self.mesh_sizes)}, which names no platform. Pass the platform to "
           f"lower for, e.g. {self.__name__}.lower(*args, platform='tpu').")
-    args = bind_positional(self.fn, args, kwargs, self.__name__)
+    args = infer.bind_positional(self.fn, args, kwargs)
     self._check_arity(len(args))
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
     with mesh_scope(self.mesh):
@@ -508,8 +509,7 @@ def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = 
       whole. ``0`` windows every such dot.
 
   Returns:
-    A :class:`Partitioned` callable (keywords bind to their positions, traced
-    as jax.jit traces them); ``.lower(*args)`` inspects it.
+    A :class:`Partitioned` callable (keywords as for jax.jit); ``.lower(*args)`` inspects it.
 
   Example::
 
