@@ -582,11 +582,12 @@ K_SPLIT = (P(None, "model"), P("model"))
     # is made, as the one-device program sums before it scales
     ("same bytes later: summed where made", lambda x, w: -((x @ w) * 3.0),
      [("dot_general", "[_,_]"), ("mul", "[_,_]"), ("neg", "[_,_]")]),
+    # passed on to the first value where the psum costs least, and summed there
     ("through reduce_sum", lambda x, w: -jnp.sum(x @ w, 0),
-     [("dot_general", "[_,_]+model"), ("reduce_sum", "[_]+model"), ("neg", "[_]")]),
+     [("dot_general", "[_,_]+model"), ("reduce_sum", "[_]"), ("neg", "[_]")]),
     ("two pending sums add", lambda x, w: -((x @ w) + (x @ w * 2.0)),
      [("dot_general", "[_,_]+model"), ("dot_general", "[_,_]+model"),
-      ("mul", "[_,_]+model"), ("add", "[_,_]+model"), ("neg", "[_,_]")]),
+      ("mul", "[_,_]+model"), ("add", "[_,_]"), ("neg", "[_,_]")]),
     # not linear: resolved where produced
     ("not through exp", lambda x, w: jnp.exp(x @ w),
      [("dot_general", "[_,_]"), ("exp", "[_,_]")]),

@@ -381,19 +381,14 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
     last = rnd.pending
     if rnd.total < best.total:
       resolved, best = trial, _landed(rnd)
-  # A sum passed on only to be resolved further down at the same bytes is
-  # resolved where it is made (a bias gradient scaled by the learning rate, a
-  # weight gradient jax transposes after its dot), or, in program order, at
-  # the first value on its way where that costs no more (a dot's sum reduced
-  # over rows, then divided: resolved before the division). Summed before what follows,
-  # it is what the one-device program computes (no 0 * inf = NaN on a device
-  # whose term is 0), and XLA fuses the ops after the psum with the update
-  # (XLA:CPU also folds a transpose met before the psum into the dot, a
-  # slower transposed-operand matmul). Not a lookup's: where its sum goes is
-  # the partitioner's choice among its plans. In a scan's body the trial
-  # costs the trip count times the bytes (``_Index.runs``), so a sum that an
-  # accumulator carries out of the loop stays pending there; it is tried
-  # where it leaves the scan.
+  # A sum passed on only to be resolved at the same bytes further down is
+  # resolved where it is made, or at the first value on its way where that
+  # costs no more (a dot's sum reduced over rows: before the division). That is
+  # what one device computes (no 0 * inf = NaN where a term is 0), XLA fuses
+  # what follows the psum with the update, and XLA:CPU does not fold a transpose
+  # into the dot. Not a lookup's (the partitioner's choice among its plans). In
+  # a scan's body a trial costs the trip count times the bytes
+  # (``_Index.runs``): a sum an accumulator carries out is tried where it leaves.
   for k, b in enumerate(graph.bounds):
     leaves = b.eqn.primitive.name in ("scan", "while") and any(
         o is not None and len(o.scope) > len(b.scope) for o in b.operands)
