@@ -28,6 +28,7 @@ from gshard.spmd import registry
 from gshard.spmd.graph import source_of, sub_jaxprs
 from gshard.spmd.partition.api import partition
 from gshard.spmd.partition.context import PartitionWarning
+from gshard.spmd.partition.padded import logical_args
 from gshard.spmd.sharding import mesh_sizes_of, mesh_str
 
 GENERIC, SPECIFIC, SAFE = registry.GENERIC, "specific", registry.SAFE
@@ -163,7 +164,7 @@ def coverage(fn: Callable, *args, mesh=None, in_specs=None) -> Coverage:
       ...
   """
   if mesh is None:
-    closed = jax.make_jaxpr(fn)(*args)
+    closed = jax.make_jaxpr(fn)(*logical_args(args))     # the one-device program
     fallbacks = None
   else:
     prog = partition(fn, mesh, in_specs=in_specs).program(*args)

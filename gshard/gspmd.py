@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import as_sharding_constraints
+from gshard.spmd.sharding import with_auto_axes
 
 
 def _to_shardings(mesh, specs):
@@ -44,7 +45,10 @@ def gspmd_jit(fn: Callable, mesh, in_specs=None, out_specs=None):
 
   Args:
     fn: a function annotated with ``gshard.split`` etc.
-    mesh: a concrete ``jax.sharding.Mesh`` (e.g. from ``gshard.make_mesh``).
+    mesh: a concrete ``jax.sharding.Mesh`` (e.g. from ``gshard.make_mesh``); its
+      axes are used as Auto, as in ``gshard.partition`` (arguments already
+      committed to the mesh with Explicit axes are refused by jax: place them
+      on ``gshard.make_mesh``'s, or pass NumPy arrays).
     in_specs: a pytree prefix of the positional arguments with PartitionSpecs
       at the leaves; ``None`` (whole or per leaf) leaves it to jax/XLA (an
       argument keeps the sharding it already has).
@@ -53,6 +57,8 @@ def gspmd_jit(fn: Callable, mesh, in_specs=None, out_specs=None):
   Returns:
     The ``jax.jit``-ed function (``.lower(...)``, ``.trace(...)`` as usual).
   """
+
+  mesh = with_auto_axes(mesh)
 
   @functools.wraps(fn)
   def constrained(*args):

@@ -20,7 +20,7 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
 from gshard.spmd.collectives import pad_zeros
 
@@ -128,12 +128,27 @@ def logical_struct(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
+def traced_arg(x):
+  """What gshard traces an argument as: the array itself (jax traces a
+  committed array as jax.jit would), or its logical struct where that is a
+  :class:`PaddedArray` or where its type carries a layout (an array or struct
+  on a mesh with Explicit axes): gshard traces the one-device program and
+  chooses every layout itself, as it uses such a mesh's axes as Auto (jax's
+  sharding-in-types rules would otherwise refuse, e.g., a gather from a table
+  split over one axis by indices split over another)."""
+  if is_padded(x):
+    return logical_struct(x)
+  sharding = (x.sharding if isinstance(x, jax.ShapeDtypeStruct)
+              else getattr(jax.typeof(x), "sharding", None))
+  types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+  return logical_struct(x) if AxisType.Explicit in types else x
+
+
 def logical_args(args):
-  """``args`` with each ``PaddedArray`` (the uneven state a partitioned step
-  returns) replaced by the ``ShapeDtypeStruct`` of its logical value: what
-  tracing and propagation see of it."""
-  return jax.tree_util.tree_map(lambda x: logical_struct(x) if is_padded(x) else x, args,
-                                is_leaf=is_padded)
+  """``args`` as tracing and propagation see them (:func:`traced_arg`): each
+  ``PaddedArray`` (the uneven state a partitioned step returns) and each array
+  whose type carries a layout as the ``ShapeDtypeStruct`` of its logical value."""
+  return jax.tree_util.tree_map(traced_arg, args, is_leaf=is_padded)
 
 
 def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
