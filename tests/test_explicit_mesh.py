@@ -120,3 +120,16 @@ def test_explicit_arguments_in_every_entry_point():
   out = gshard.gspmd_jit(lambda t, i: gshard.split(fn(t, i), 0, "x"), m,
                          in_specs=specs)(np.asarray(t), np.asarray(i))
   np.testing.assert_array_equal(np.asarray(out), np.full((8, 4), 16.0, np.float32))
+
+
+@pytest.mark.parametrize("entry", ["partition", "infer_shardings", "auto_shard"])
+def test_a_non_array_argument_is_named(entry):
+  """A string where an array goes: jax's message, naming the argument's path
+  in the function's signature (``s``), not a bare type error about the value."""
+  m = gshard.make_mesh((2, 4), ("x", "y"))
+  fn = lambda x, s: x * 2
+  make = {"partition": lambda: gshard.partition(fn, m),
+          "infer_shardings": lambda: gshard.infer_shardings(fn, m),
+          "auto_shard": lambda: gshard.auto_shard(fn, m, check_memory=False)}[entry]
+  with pytest.raises(TypeError, match=r"str.*path (args\[1\]|s\b)"):
+    make()(np.ones(8, np.float32), "abc")

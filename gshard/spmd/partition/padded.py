@@ -138,8 +138,11 @@ def traced_arg(x):
   split over one axis by indices split over another)."""
   if is_padded(x):
     return logical_struct(x)
-  sharding = (x.sharding if isinstance(x, jax.ShapeDtypeStruct)
-              else getattr(jax.typeof(x), "sharding", None))
+  try:
+    sharding = (x.sharding if isinstance(x, jax.ShapeDtypeStruct)
+                else getattr(jax.typeof(x), "sharding", None))
+  except TypeError:            # not an array: jax's trace says which argument
+    return x
   types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
   return logical_struct(x) if AxisType.Explicit in types else x
 
