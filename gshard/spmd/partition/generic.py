@@ -101,8 +101,14 @@ def reduction_identity(name: str, dtype):
     low = name in _MAX_LIKE
     if dtype == np.bool_:
       return not low
+    if jnp.issubdtype(dtype, jnp.complexfloating):   # ordered by real, then imaginary
+      return complex(-np.inf, -np.inf) if low else complex(np.inf, np.inf)
     if jnp.issubdtype(dtype, jnp.inexact):
-      return -np.inf if low else np.inf
+      # float8 types without inf (e4m3fn, the fnuz ones) hold their extremes
+      with np.errstate(invalid="ignore", over="ignore"):
+        has_inf = np.isinf(np.asarray(np.inf, dtype)).item()
+      info = jnp.finfo(dtype)
+      return (-np.inf if low else np.inf) if has_inf else (info.min if low else info.max)
     info = jnp.iinfo(dtype)
     return info.min if low else info.max
   if name == "reduce_and":

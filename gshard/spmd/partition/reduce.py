@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
@@ -36,20 +37,34 @@ def allreduce_bytes_of(x, n: int) -> int:
 _INT_OF = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
 
+# Floats whose own bits order as their values once the negatives are flipped
+# (a sign bit, -0.0, NaN at the top codes): the others (float8 fnuz types with
+# NaN at -0.0's code, e8m0 without a sign bit, fp6/fp4) are keyed as float32,
+# which holds each of their values exactly.
+_OWN_KEY = frozenset(np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32,
+                                           jnp.float64))
+
+
+def _key_float(dtype):
+  return np.dtype(dtype) if np.dtype(dtype) in _OWN_KEY else np.dtype(jnp.float32)
+
+
 def ordered_key(x, nan_high: bool):
-  """An integer of the same width whose order is ``x``'s float order, with NaN
-  above every number (``nan_high``) or below it; bools and integers as they are.
+  """An integer whose order is ``x``'s float order, with NaN above every number
+  (``nan_high``) or below it; bools and integers as they are.
 
   A float's bits ``b`` (read as a signed integer) keep their order for
   ``b >= 0`` and reverse it below: ``b ^ 0x7F..F`` puts the negatives back in
-  order. NaN is first made the canonical NaN of the chosen sign.
+  order. NaN takes the highest or lowest key, whose bits are a NaN.
   """
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-  itype = _INT_OF[x.dtype.itemsize]
-  nan = jnp.asarray(jnp.nan if nan_high else -jnp.nan, x.dtype)
-  b = lax.bitcast_convert_type(jnp.where(jnp.isnan(x), nan, x), itype)
-  return jnp.where(b >= 0, b, b ^ jnp.asarray(jnp.iinfo(itype).max, itype))
+  f = x.astype(_key_float(x.dtype))
+  itype = _INT_OF[f.dtype.itemsize]
+  info = jnp.iinfo(itype)
+  b = lax.bitcast_convert_type(f, itype)
+  key = jnp.where(b >= 0, b, b ^ jnp.asarray(info.max, itype))
+  return jnp.where(jnp.isnan(f), jnp.asarray(info.max if nan_high else info.min, itype), key)
 
 
 def from_ordered_key(k, dtype):
@@ -57,17 +72,23 @@ def from_ordered_key(k, dtype):
   if not jnp.issubdtype(dtype, jnp.inexact):
     return k.astype(dtype)
   b = jnp.where(k >= 0, k, k ^ jnp.asarray(jnp.iinfo(k.dtype).max, k.dtype))
-  return lax.bitcast_convert_type(b, dtype)
+  return lax.bitcast_convert_type(b, _key_float(dtype)).astype(dtype)
 
 
 def _combine(x, op, axes, record):
   """``op`` (``lax.pmax``/``lax.pmin``) across ``axes`` as the unpartitioned
   max/min computes it: NaN anywhere gives NaN (a backend's all-reduce max may
   drop NaN: the values travel as order-preserving integer keys, one
-  collective of the same bytes). ``record(y)`` is called with what is sent."""
+  collective of the same bytes). Complex values (ordered by real part, then
+  imaginary) are all-gathered and reduced as jax reduces them. ``record(y,
+  kind)`` is called with what is sent."""
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    every = lax.all_gather(x, axes)
+    record(every, "all_gather")
+    return (jnp.max if op is lax.pmax else jnp.min)(every, axis=0)
   key = ordered_key(x, nan_high=op is lax.pmax)
   y = op(key, axes)
-  record(y)
+  record(y, None)
   return from_ordered_key(y, x.dtype)
 
 
@@ -90,8 +111,9 @@ def combine_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   n = ctx.num_shards(axes)
   res = []
   for v in outs:
-    def record(arr, v=v):
-      ctx.record(combine, axes, allreduce_bytes_of(arr, n), eqn, "result 0", v.sharding,
+    def record(arr, kind, v=v):
+      sent = arr.size // n * (n - 1) * arr.dtype.itemsize if kind else allreduce_bytes_of(arr, n)
+      ctx.record(kind or combine, axes, sent, eqn, "result 0", v.sharding,
                  v.sharding, v.shape, v.dtype)
     y = _combine(v.x, getattr(lax, combine), axes, record)
     res.append(dataclasses.replace(v, x=y))
