@@ -248,8 +248,8 @@ def _run_manual(jaxpr, consts, args) -> list:
     elif name in ("jit", "pjit"):
       inner = eqn.params["jaxpr"]
       outs = _run_manual(inner.jaxpr, inner.consts, xs)
-    else:
-      outs = eqn.primitive.bind(*xs, **eqn.params)
+    else:   # as jax.core.eval_jaxpr binds (a custom_jvp's params become functions)
+      outs = eqn.primitive.bind(*xs, **eqn.primitive.get_bind_params(eqn.params))
       outs = outs if eqn.primitive.multiple_results else [outs]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
