@@ -22,14 +22,14 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 
-import jax
 
 from gshard.spmd import registry
 from gshard.spmd.graph import source_of, sub_jaxprs
 from gshard.spmd.partition.api import partition
 from gshard.spmd.partition.context import PartitionWarning
+from gshard.spmd.infer import trace
 from gshard.spmd.partition.padded import logical_args
-from gshard.spmd.sharding import mesh_sizes_of, mesh_str
+from gshard.spmd.sharding import mesh_scope, mesh_sizes_of, mesh_str
 
 GENERIC, SPECIFIC, SAFE = registry.GENERIC, "specific", registry.SAFE
 
@@ -164,11 +164,11 @@ def coverage(fn: Callable, *args, mesh=None, in_specs=None) -> Coverage:
       ...
   """
   if mesh is None:
-    closed = jax.make_jaxpr(fn)(*logical_args(args))     # the one-device program
+    closed = trace(fn, logical_args(args))[0]     # as gshard.partition traces it
     fallbacks = None
   else:
     prog = partition(fn, mesh, in_specs=in_specs).program(*args)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), mesh_scope(mesh):
       warnings.simplefilter("ignore", PartitionWarning)
       prog.per_device()   # runs the partition rules (on padded shapes)
     closed = prog.result.jaxpr

@@ -20,6 +20,7 @@ jax's caches (``jax.clear_caches()``) between the two.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -62,7 +63,12 @@ def gspmd_jit(fn: Callable, mesh, in_specs=None, out_specs=None):
 
   @functools.wraps(fn)
   def constrained(*args):
-    with as_sharding_constraints(mesh):
+    # traced under gshard's Auto mesh, where the caller set another (jax.set_mesh
+    # of an Explicit one, which would make every constraint an assertion)
+    outer = jax.sharding.get_abstract_mesh()
+    scope = (contextlib.nullcontext() if outer.empty or outer == mesh.abstract_mesh
+             else jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+    with as_sharding_constraints(mesh), scope:
       return fn(*args)
 
   kwargs = {}

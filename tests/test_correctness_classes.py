@@ -258,6 +258,17 @@ def test_with_sharding_constraint_on_another_mesh_is_an_error():
     gshard.partition(fn, mesh(*M24))(X84)
 
 
+def test_shard_map_over_the_mesh_with_its_axes_reordered_is_an_error():
+  """Same names and sizes, another order (another device assignment): jax's
+  'context mesh should match the aval mesh' leaked from the body before."""
+  m = mesh(*M24)
+  other = jax.sharding.Mesh(m.devices.T, tuple(reversed(m.axis_names)))
+  fn = lambda x: jax.shard_map(lambda a: a * 2, mesh=other, in_specs=P("b"), out_specs=P("b"))(x)
+  with pytest.raises(ValueError, match=r"shard_map in_specs at .*names the mesh "
+                     r"\(b=4, a=2\) but gshard partitions over the mesh \(a=2, b=4\)"):
+    gshard.partition(fn, m)(X84)
+
+
 def test_shard_map_inside_runs_its_body_as_written():
   res = gshard.infer_shardings(_shard_map, mesh(*M24))(X84)
   assert [str(s) for s in res.out_shardings] == ["[_,_]", "[b,_]"]

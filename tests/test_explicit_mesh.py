@@ -133,3 +133,80 @@ def test_a_non_array_argument_is_named(entry):
           "auto_shard": lambda: gshard.auto_shard(fn, m, check_memory=False)}[entry]
   with pytest.raises(TypeError, match=r"str.*path (args\[1\]|s\b)"):
     make()(np.ones(8, np.float32), "abc")
+
+
+def _wsc(w, x):
+  return jnp.sum(jax.lax.with_sharding_constraint(jnp.sin(x @ w), P("x", "y")))
+
+
+def _context_shard_map(w, x):
+  return jnp.sum(jax.shard_map(lambda a: jax.lax.psum(a, "y"), in_specs=P("x", "y"),
+                               out_specs=P("x", None))(x @ w))
+
+
+def _plain(w, x):
+  return jnp.sum(jnp.sin(x @ w))
+
+
+@pytest.mark.parametrize("fn", [_wsc, _context_shard_map, _plain])
+def test_every_entry_point_under_set_mesh_of_an_explicit_mesh(fn):
+  """Under ``jax.set_mesh(jax.make_mesh(...))`` (a bare-``P`` constraint and a
+  shard_map take that mesh): infer_shardings, coverage, auto_shard and
+  gspmd_jit trace as partition does (they failed: jax's 'context mesh should
+  match', or a constraint made an assertion under Explicit axes)."""
+  m = _explicit((2, 4), ("x", "y"))
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((16, 32)).astype(np.float32)
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  specs = (P(None, "y"), P("x"))
+  with jax.set_mesh(gshard.make_mesh((2, 4), ("x", "y"))):   # Auto: jax.jit's reference
+    want = float(jax.jit(fn)(w, x))
+  with jax.set_mesh(m):
+    got = float(gshard.partition(fn, m, in_specs=specs)(w, x))
+    res = gshard.infer_shardings(fn, m, in_specs=specs)(w, x)
+    cov = gshard.coverage(fn, w, x, mesh=m, in_specs=specs)
+    plan = gshard.auto_shard(fn, m, check_memory=False)(w, x)
+    base = float(gshard.gspmd_jit(fn, m, in_specs=specs)(w, x))
+  np.testing.assert_allclose([got, base], [want, want], rtol=1e-5)
+  assert res.mesh_sizes == {"x": 2, "y": 4} and cov.fallbacks == ()
+  assert len(plan.in_specs) == 2
+
+
+def test_a_shard_map_over_the_explicit_mesh_sees_the_arguments_layouts():
+  """User code that runs ``jax.shard_map(..., mesh=)`` over the Explicit mesh
+  its arguments are committed to: jax checks the arguments' layouts against
+  ``in_specs``, so gshard traces them as ``jax.jit`` does (typed), and only
+  code jax refuses under the types is traced as the one-device program."""
+  m = _explicit((2, 4), ("x", "y"))
+  x = jax.device_put(np.arange(128, dtype=np.float32).reshape(8, 16),
+                     NamedSharding(m, P("x", "y")))
+  fn = lambda x: jax.shard_map(lambda a: jax.lax.psum(a, "y"), mesh=m, in_specs=P("x", "y"),
+                               out_specs=P("x"))(x) * 2.0
+  got = gshard.partition(fn, m, in_specs=(P("x", "y"),))(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fn)(x)))
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: jax.sharding.reshard(x, P("x")) * 2.0,
+    lambda x: jnp.einsum("ij,jk->ik", x, x.T, out_sharding=P("x", None)),
+])
+def test_explicit_sharding_calls_are_an_error_that_names_the_fix(call):
+  """jax's explicit-sharding calls under gshard (whose axes are Auto): jax's
+  message spoke of Auto axes the user never chose; gshard's names the
+  annotation to use instead."""
+  m = _explicit((2, 4), ("x", "y"))
+  x = np.ones((8, 8), np.float32)
+  with jax.set_mesh(m), pytest.raises(ValueError, match=r"not gshard's.*gshard\.shard"):
+    gshard.partition(call, m, in_specs=(P("x"),))(x)
+
+
+@pytest.mark.parametrize("other", [((4, 2), ("x", "y")), ((8,), ("x",))])
+def test_a_named_sharding_on_another_mesh_in_in_specs_is_an_error(other):
+  """It was read as its spec on the partition mesh, silently."""
+  m = gshard.make_mesh((2, 4), ("x", "y"))
+  ns = NamedSharding(gshard.make_mesh(*other), P("x"))
+  with pytest.raises(ValueError, match=r"in_specs\[0\]: a NamedSharding on mesh .*x=2, y=4"):
+    gshard.partition(lambda w: w * 2, m, in_specs=(ns,))(np.ones((8, 4), np.float32))
+  same = NamedSharding(m, P("x"))
+  out = gshard.partition(lambda w: w * 2, m, in_specs=(same,))(np.ones((8, 4), np.float32))
+  assert float(out.sum()) == 64.0

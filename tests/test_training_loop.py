@@ -239,6 +239,35 @@ def test_inputs_committed_to_one_device_are_moved_onto_the_mesh():
   assert_named_sharding(out, m, P("data", "model"))
 
 
+@pytest.mark.parametrize("order", ["same", "reversed"])
+@pytest.mark.parametrize("placement", ["state on a sub-mesh", "data on a sub-mesh",
+                                       "both on a sub-mesh", "the mesh's devices reversed"])
+def test_state_and_data_committed_elsewhere_are_moved(placement, order):
+  """A train step whose state and data arrive committed elsewhere, in any mix:
+  a state input and a data input on a sub-mesh together (the state was laid
+  out, the data left for jax to refuse), or on a mesh of the same devices in
+  another order (a device set equal to the mesh's was taken as on it)."""
+  devs = np.array(jax.devices())
+  m = jax.sharding.Mesh((devs if order == "same" else devs[::-1]).reshape(2, 4),
+                        ("data", "model"))
+  sub = jax.sharding.Mesh(devs[4:], ("s",))
+  rev = jax.sharding.Mesh(np.asarray(m.devices)[::-1, ::-1], ("data", "model"))
+  w, x = rand(16, 8), rand(8, 16)
+  on = {"state on a sub-mesh": (sub, None),
+        "data on a sub-mesh": (None, sub), "both on a sub-mesh": (sub, sub),
+        "the mesh's devices reversed": (rev, rev)}[placement]
+  w_in, x_in = [a if where is None else jax.device_put(a, NamedSharding(where, P()))
+                for a, where in zip((w, x), on)]
+  step = gshard.partition(lambda w, x: (w - 0.1 * x.T @ (x @ w), jnp.sum(x @ w)), m,
+                          in_specs=(P(None, "model"), P("data")))
+  w2, loss = step(w_in, x_in)
+  w3, _ = step(w2, x_in)
+  want = jax.jit(lambda w, x: (w - 0.1 * x.T @ (x @ w), jnp.sum(x @ w)))(w, x)
+  np.testing.assert_allclose(np.asarray(w2), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(float(loss), float(want[1]), rtol=1e-5)
+  assert w3.shape == w.shape
+
+
 @pytest.mark.parametrize("where", ["one device", "another mesh"])
 def test_uneven_inputs_committed_elsewhere_are_padded_and_moved(where):
   """6 rows over 4 devices: padded where the input is, then moved onto the mesh."""

@@ -40,7 +40,7 @@ from gshard.spmd.infer import flatten_specs, pinned_graph, trace
 from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.partition.padded import logical_args
-from gshard.spmd.sharding import TensorSharding, mesh_sizes_of, mesh_str
+from gshard.spmd.sharding import TensorSharding, mesh_scope, mesh_sizes_of, mesh_str
 
 # Under a memory limit, when the first plan compiles to more than the limit:
 PROBES = (0.001, 0.005, 0.02)   # budgets just above the model's least memory, m (1 + d)
@@ -166,6 +166,10 @@ class AutoShard:
     return self.mesh.abstract_mesh
 
   def __call__(self, *args) -> Plan:
+    with mesh_scope(self.mesh):     # under jax.set_mesh of an Explicit mesh too
+      return self._search(*args)
+
+  def _search(self, *args) -> Plan:
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
     ms = self.mesh_sizes

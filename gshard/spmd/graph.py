@@ -209,11 +209,11 @@ class Graph:
   def check_mesh(self, mesh: Mapping[str, int], what: str) -> None:
     """A construct naming its own mesh (``with_sharding_constraint``, ``shard_map``)
     must name the one being partitioned over."""
-    if dict(mesh) != self.mesh_sizes:
+    if list(dict(mesh).items()) != list(self.mesh_sizes.items()):   # in order too
       raise ValueError(
           f"{what}: it names the mesh {mesh_str(mesh)} but gshard partitions over the "
           f"mesh {mesh_str(self.mesh_sizes)}. Build it with the mesh given to "
-          "gshard.partition (same axis names and sizes), or use gshard.shard.")
+          "gshard.partition (same axis names, order and sizes), or use gshard.shard.")
 
   def pin(self, t: Tensor, sharding: TensorSharding, open_dims: frozenset[int],
           what: str) -> None:

@@ -27,7 +27,7 @@ from gshard.spmd.partition.padded import logical_args
 from gshard.spmd.printing import format_jaxpr
 from gshard.spmd.graph import Graph, source_of
 from gshard.spmd.propagate import Conflict, conflicts, propagate
-from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str,
+from gshard.spmd.sharding import (TensorSharding, mesh_scope, mesh_sizes_of, mesh_str,
                                   open_dims_of_spec)
 
 # Frames inside gshard are not the user's source line.
@@ -72,9 +72,15 @@ def spec_to_pin(spec: P, shape, mesh_sizes, where: str):
   A ``NamedSharding`` stands for its spec."""
   shape = tuple(shape)
   rank = len(shape)
-  if isinstance(spec, NamedSharding):
-    spec = spec.spec
   what = "the output" if where.startswith("out_specs") else "the argument"
+  if isinstance(spec, NamedSharding):
+    other = dict(spec.mesh.shape)
+    if other != dict(mesh_sizes):
+      raise ValueError(
+          f"{where}: a NamedSharding on mesh {mesh_str(other)} for {what} of shape "
+          f"{shape}; gshard partitions over mesh {mesh_str(mesh_sizes)}. Give its "
+          f"PartitionSpec ({spec.spec}) or a NamedSharding on that mesh.")
+    spec = spec.spec
   if not isinstance(spec, P):
     raise TypeError(
         f"{where}: got {spec!r} ({type(spec).__name__}) for {what} of shape {shape}, on "
@@ -195,7 +201,41 @@ def _bind_axis(fn, name):
 
 def trace(fn: Callable, args: Sequence[Any]):
   """``jax.make_jaxpr(fn, return_shape=True)(*args)``; axis names that no
-  transformation binds (pmap-style collectives) are bound with size 1."""
+  transformation binds (pmap-style collectives) are bound with size 1.
+
+  Arguments committed to a mesh with Explicit axes are traced as given, as
+  ``jax.jit`` traces them (a ``jax.shard_map`` over that mesh checks their
+  layouts); where jax's sharding-in-types rules refuse the code under those
+  layouts, as the one-device program (their shapes and dtypes): gshard
+  chooses every layout itself. If that fails too, the first error is raised,
+  as ``jax.jit`` raises it."""
+  try:
+    return _trace(fn, args)
+  except Exception as e:
+    plain = logical_args(args, untyped=True)
+    if any(a is not b for a, b in zip(jax.tree_util.tree_leaves(plain),
+                                      jax.tree_util.tree_leaves(args))):
+      try:
+        return _trace(fn, plain)
+      except Exception:
+        pass
+    if any(m in str(e) for m in _EXPLICIT_CALLS):
+      raise ValueError(
+          f"{getattr(fn, '__name__', 'fn')}: gshard uses the mesh's axes as Auto and "
+          "chooses every layout itself; jax's explicit-sharding calls "
+          "(jax.sharding.reshard, out_sharding=, with_sharding_constraint on a "
+          "NamedSharding of a mesh with Explicit axes) are not gshard's. Say the layout "
+          "with gshard.shard(x, P(...)) / gshard.split, or with_sharding_constraint(x, "
+          f"P(...)). jax said: {e}") from e
+    raise
+
+
+# jax's messages for explicit-sharding calls under Auto axes
+_EXPLICIT_CALLS = ("cannot contain axis names that are of type Auto",
+                   "can only refer to Auto axes")
+
+
+def _trace(fn, args):
   names: list[str] = []
   while True:
     try:
@@ -338,4 +378,8 @@ def infer_shardings(fn: Callable, mesh, in_specs=None) -> Callable[..., Sharding
     print(res)
   """
   mesh_sizes = mesh_sizes_of(mesh)
-  return lambda *args: analyze(fn, mesh_sizes, args, in_specs)
+
+  def run(*args):
+    with mesh_scope(mesh):       # under jax.set_mesh of an Explicit mesh too
+      return analyze(fn, mesh_sizes, args, in_specs)
+  return run

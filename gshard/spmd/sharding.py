@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 Axes = tuple[str, ...]
@@ -338,7 +338,11 @@ def with_auto_axes(mesh):
 def mesh_scope(mesh):
   """``mesh`` as jax's context mesh while gshard traces, where the caller set
   another (under ``jax.set_mesh`` of a mesh with Explicit axes, ``shard_map``
-  refuses gshard's Auto one); otherwise nothing."""
+  refuses gshard's Auto one); otherwise nothing. ``mesh`` is used with Auto
+  axes; a mapping of axis sizes sets none."""
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    return contextlib.nullcontext()
+  mesh = with_auto_axes(mesh)
   current = jax.sharding.get_abstract_mesh()
   mesh_type = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
   if current.empty or current == mesh_type:

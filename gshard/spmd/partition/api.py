@@ -401,14 +401,13 @@ class Partitioned:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
   def _foreign(self, leaves) -> list[int]:
-    """Flat inputs committed to devices outside the mesh (jax refuses them)."""
-    devices = set(self.mesh.devices.flat)
-    out = []
-    for i, x in enumerate(leaves):
-      x = x.data if is_padded(x) else x
-      if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != devices:
-        out.append(i)
-    return out
+    """Flat inputs committed to devices outside the mesh, or to its devices in
+    another order (jax refuses both)."""
+    flat = tuple(self.mesh.devices.flat)
+    arrays = [x.data if is_padded(x) else x for x in leaves]
+    return [i for i, a in enumerate(arrays) if isinstance(a, jax.Array) and a.committed and (
+        a.sharding.device_set != set(flat) or isinstance(a.sharding, NamedSharding)
+        and tuple(a.sharding.mesh.devices.flat) != flat)]
 
   def __call__(self, *args, **kwargs):
     args = infer.bind_positional(self.fn, args, kwargs)
@@ -425,8 +424,9 @@ class Partitioned:
           "(gshard.make_mesh) to run it.")
     try:
       return self._jit(*args)
-    except _Place as p:
-      placed = self._placed(args, p.program, p.need)
+    except _Place as p:    # with any argument committed elsewhere (jax refuses it)
+      foreign = self._foreign(jax.tree_util.tree_flatten(args, is_leaf=is_padded)[0])
+      placed = self._placed(args, p.program, sorted(set(p.need) | set(foreign)))
     except ValueError:
       leaves, _ = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
       foreign = self._foreign(leaves)

@@ -128,16 +128,17 @@ def logical_struct(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
-def traced_arg(x):
+def traced_arg(x, untyped: bool = False):
   """What gshard traces an argument as: the array itself (jax traces a
   committed array as jax.jit would), or its logical struct where that is a
-  :class:`PaddedArray` or where its type carries a layout (an array or struct
-  on a mesh with Explicit axes): gshard traces the one-device program and
-  chooses every layout itself, as it uses such a mesh's axes as Auto (jax's
-  sharding-in-types rules would otherwise refuse, e.g., a gather from a table
-  split over one axis by indices split over another)."""
+  :class:`PaddedArray`, or, ``untyped``, where its type carries a layout (an
+  array or struct on a mesh with Explicit axes): the one-device program, for
+  code jax's sharding-in-types rules refuse under those layouts (a gather
+  from a table split over one axis by indices split over another)."""
   if is_padded(x):
     return logical_struct(x)
+  if not untyped:
+    return x
   try:
     sharding = (x.sharding if isinstance(x, jax.ShapeDtypeStruct)
                 else getattr(jax.typeof(x), "sharding", None))
@@ -147,11 +148,12 @@ def traced_arg(x):
   return logical_struct(x) if AxisType.Explicit in types else x
 
 
-def logical_args(args):
+def logical_args(args, untyped: bool = False):
   """``args`` as tracing and propagation see them (:func:`traced_arg`): each
-  ``PaddedArray`` (the uneven state a partitioned step returns) and each array
-  whose type carries a layout as the ``ShapeDtypeStruct`` of its logical value."""
-  return jax.tree_util.tree_map(traced_arg, args, is_leaf=is_padded)
+  ``PaddedArray`` (the uneven state a partitioned step returns) as the
+  ``ShapeDtypeStruct`` of its logical value; ``untyped``, each array whose
+  type carries a layout too."""
+  return jax.tree_util.tree_map(lambda x: traced_arg(x, untyped), args, is_leaf=is_padded)
 
 
 def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
