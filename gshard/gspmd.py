@@ -20,7 +20,6 @@ jax's caches (``jax.clear_caches()``) between the two.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 
@@ -29,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import as_sharding_constraints
-from gshard.spmd.sharding import with_auto_axes
+from gshard.spmd.sharding import mesh_scope, with_auto_axes
 
 
 def _to_shardings(mesh, specs):
@@ -64,11 +63,9 @@ def gspmd_jit(fn: Callable, mesh, in_specs=None, out_specs=None):
   @functools.wraps(fn)
   def constrained(*args):
     # traced under gshard's Auto mesh, where the caller set another (jax.set_mesh
-    # of an Explicit one, which would make every constraint an assertion)
-    outer = jax.sharding.get_abstract_mesh()
-    scope = (contextlib.nullcontext() if outer.empty or outer == mesh.abstract_mesh
-             else jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
-    with as_sharding_constraints(mesh), scope:
+    # of an Explicit one, which would make every constraint an assertion); the
+    # abstract mesh, as jax.set_mesh is refused inside a trace
+    with as_sharding_constraints(mesh), mesh_scope(mesh.abstract_mesh):
       return fn(*args)
 
   kwargs = {}
