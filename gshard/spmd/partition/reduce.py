@@ -183,10 +183,14 @@ def top_k_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     return bind_local(ctx, eqn, plan_local(ctx, eqn, ins, scope, blocked=frozenset({f})), ins)
   x_val = ctx.reshard(ins[0], plan.operands[0], eqn, "operand 0")
   x = x_val.x
-  if x_val.shape[dim] % n:   # padding: the lowest value of top_k's order
+  if x_val.shape[dim] % n:
+    # padding: the lowest value of top_k's order (-NaN's bits) where the type
+    # keeps it; the others (float8: XLA makes e5m2's -NaN +NaN, e8m0's one NaN
+    # is its top code) the lowest number, which the padding's higher indices
+    # lose ties to
     lowest = (lax.bitcast_convert_type(jnp.asarray(-1, _INT_OF[jnp.dtype(dtype).itemsize]),
-                                       dtype) if jnp.issubdtype(dtype, jnp.inexact)
-              else jnp.iinfo(dtype).min)
+                                       dtype) if np.dtype(dtype) in _OWN_KEY
+              else reduction_identity("reduce_max", dtype))
     pos = ctx.linear_index(axes) * rows + lax.broadcasted_iota(jnp.int32, x.shape, dim)
     x = jnp.where(pos < x_val.shape[dim], x, jnp.asarray(lowest, dtype))
   vals, idx_l = lax.top_k(x, kl, axis=dim)
