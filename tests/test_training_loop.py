@@ -268,14 +268,16 @@ def test_state_and_data_committed_elsewhere_are_moved(placement, order):
   assert w3.shape == w.shape
 
 
-@pytest.mark.parametrize("where", ["one device", "another mesh"])
+@pytest.mark.parametrize("where", ["one device", "another mesh", "its devices reversed"])
 def test_uneven_inputs_committed_elsewhere_are_padded_and_moved(where):
-  """6 rows over 4 devices: padded where the input is, then moved onto the mesh."""
+  """6 rows over 4 devices: padded where the input is, then moved onto the mesh
+  (on the mesh's own devices in another order, jax refused the padding jit)."""
   m = mesh((4,), ("x",))
   x = rand(6, 3)
+  devs = {"another mesh": jax.devices()[4:],
+          "its devices reversed": list(np.asarray(m.devices).flat)[::-1]}
   x = (jax.device_put(x, jax.devices()[5]) if where == "one device" else
-       jax.device_put(x, NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[4:]), ("y",)),
-                                       P())))
+       jax.device_put(x, NamedSharding(jax.sharding.Mesh(np.array(devs[where]), ("y",)), P())))
   out = gshard.partition(lambda a: a * 2, m, in_specs=(P("x"),))(x)
   assert isinstance(out, gshard.PaddedArray)
   np.testing.assert_array_equal(np.asarray(gshard.unpad(out)), 2 * np.asarray(x))

@@ -35,7 +35,8 @@ from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pi
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
-from gshard.spmd.partition.padded import (PaddedArray, is_padded, logical_struct, pad_to)
+from gshard.spmd.partition.padded import (PaddedArray, elsewhere, is_padded, logical_struct,
+                                          pad_to)
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str, short_dtype,
                                    mesh_scope, with_auto_axes)
 
@@ -404,10 +405,7 @@ class Partitioned:
     """Flat inputs committed to devices outside the mesh, or to its devices in
     another order (jax refuses both)."""
     flat = tuple(self.mesh.devices.flat)
-    arrays = [x.data if is_padded(x) else x for x in leaves]
-    return [i for i, a in enumerate(arrays) if isinstance(a, jax.Array) and a.committed and (
-        a.sharding.device_set != set(flat) or isinstance(a.sharding, NamedSharding)
-        and tuple(a.sharding.mesh.devices.flat) != flat)]
+    return [i for i, x in enumerate(leaves) if elsewhere(x, flat)]
 
   def __call__(self, *args, **kwargs):
     args = infer.bind_positional(self.fn, args, kwargs)

@@ -156,12 +156,20 @@ def logical_args(args, untyped: bool = False):
   return jax.tree_util.tree_map(lambda x: traced_arg(x, untyped), args, is_leaf=is_padded)
 
 
+def elsewhere(x, devices: tuple) -> bool:
+  """``x`` is an array committed to devices other than ``devices`` (a mesh's,
+  flat), or to them in another order: a jit over the mesh refuses it."""
+  x = x.data if is_padded(x) else x
+  return isinstance(x, jax.Array) and x.committed and (
+      x.sharding.device_set != set(devices) or isinstance(x.sharding, NamedSharding)
+      and tuple(x.sharding.mesh.devices.flat) != devices)
+
+
 def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
   """``x`` (an array of its logical shape) as a :class:`PaddedArray` of
   ``full_shape`` laid out as ``sharding``; the padding is zeros."""
   shape = tuple(np.shape(x))
-  if (isinstance(x, jax.Array) and x.committed
-      and x.sharding.device_set != sharding.device_set):
+  if elsewhere(x, tuple(sharding.mesh.devices.flat)):
     # committed elsewhere: padded where it is, then moved (jit refuses the mix)
     return PaddedArray(jax.device_put(_pad_fn(shape, tuple(full_shape), None)(x), sharding),
                        shape)
