@@ -51,7 +51,10 @@ def _dtype(name):
 def _cases(draw):
   shape, names, axes = draw(st.sampled_from(MESHES))
   name = draw(st.sampled_from(FLOATS + ["complex64"]))
-  op = draw(st.sampled_from(COMPLEX_OPS if name == "complex64" else sorted(OPS)))
+  # e8m0fnu: jax's one-device argmax/argmin/cummax start from +-inf, NaN in
+  # that type, so every result is NaN or index 0; only max/min are compared
+  op = draw(st.sampled_from(COMPLEX_OPS if name in ("complex64", "float8_e8m0fnu")
+                            else sorted(OPS)))
   length = draw(st.sampled_from([8, 16, 6, 10, 13]))
   grid = draw(st.lists(st.integers(-6, 6), min_size=2 * length, max_size=2 * length))
   vals = np.asarray(grid, np.float64).reshape(2, length)
