@@ -130,3 +130,27 @@ def test_top_k_over_an_uneven_split_never_picks_the_padding(name, size, k):
   got = gshard.partition(fn, gshard.make_mesh((8,), ("a",)), in_specs=(P(None, "a"),))(x)
   _compare(got, jax.jit(fn)(x))
   assert int(np.max(np.asarray(got[1]))) < size
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(MESHES), st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
+       st.sampled_from([8, 10, 16]),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 15)), max_size=4))
+def test_min_keeps_the_sign_of_a_nan(mesh, name, length, nans):
+  """One device's min returns its operand's NaN (``0/0`` is -NaN on x86,
+  ``jnp.nan`` +NaN): bit for bit equal, rows 0 and 2 drawing -NaN, rows 1 and
+  3 +NaN. (XLA:CPU's max of a -NaN is +NaN or -NaN by the NaN's position, so
+  max is compared by NaN position, above.)"""
+  shape, names, axes = mesh
+  vals = np.arange(4 * length, dtype=np.float64).reshape(4, length) - length
+  for r, c in nans:
+    vals[r, c % length] = -np.nan if r % 2 == 0 else np.nan
+  x = np.asarray(vals, _dtype(name))
+  fn = OPS["min"]
+  with jax.enable_x64(name == "float64"):
+    want = np.asarray(jax.jit(fn)(x))
+    got = np.asarray(gshard.partition(fn, gshard.make_mesh(shape, names),
+                                      in_specs=(P(None, axes),))(x))
+  assert got.dtype == want.dtype == x.dtype
+  bits = np.dtype(f"u{want.dtype.itemsize}")
+  np.testing.assert_array_equal(got.view(bits), want.view(bits))

@@ -55,7 +55,9 @@ def ordered_key(x, nan_high: bool):
 
   A float's bits ``b`` (read as a signed integer) keep their order for
   ``b >= 0`` and reverse it below: ``b ^ 0x7F..F`` puts the negatives back in
-  order. NaN takes the highest or lowest key, whose bits are a NaN.
+  order. NaN takes the highest or lowest key (a -NaN the next one in), so
+  :func:`from_ordered_key` gives back a NaN of its sign, as one device's
+  max/min returns its operand's NaN.
   """
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
@@ -64,15 +66,27 @@ def ordered_key(x, nan_high: bool):
   info = jnp.iinfo(itype)
   b = lax.bitcast_convert_type(f, itype)
   key = jnp.where(b >= 0, b, b ^ jnp.asarray(info.max, itype))
-  return jnp.where(jnp.isnan(f), jnp.asarray(info.max if nan_high else info.min, itype), key)
+  nan, neg_nan = _nan_keys(itype, nan_high)
+  return jnp.where(jnp.isnan(f), jnp.where(b < 0, neg_nan, nan).astype(itype), key)
 
 
-def from_ordered_key(k, dtype):
-  """The inverse of :func:`ordered_key`."""
+def _nan_keys(itype, nan_high: bool):
+  """The keys of +NaN and -NaN: the extreme key and the one next to it."""
+  info = jnp.iinfo(itype)
+  return (info.max, info.max - 1) if nan_high else (info.min, info.min + 1)
+
+
+def from_ordered_key(k, dtype, nan_high: bool):
+  """The inverse of :func:`ordered_key` (NaN the quiet NaN of its sign)."""
   if not jnp.issubdtype(dtype, jnp.inexact):
     return k.astype(dtype)
   b = jnp.where(k >= 0, k, k ^ jnp.asarray(jnp.iinfo(k.dtype).max, k.dtype))
-  return lax.bitcast_convert_type(b, _key_float(dtype)).astype(dtype)
+  kf = _key_float(dtype)
+  f = lax.bitcast_convert_type(b, kf)
+  nan, neg_nan = _nan_keys(k.dtype, nan_high)
+  f = jnp.where(k == nan, np.array(np.nan, kf),
+                jnp.where(k == neg_nan, np.array(-np.nan, kf), f))
+  return f.astype(dtype)
 
 
 def _combine(x, op, axes, record):
@@ -89,7 +103,7 @@ def _combine(x, op, axes, record):
   key = ordered_key(x, nan_high=op is lax.pmax)
   y = op(key, axes)
   record(y, None)
-  return from_ordered_key(y, x.dtype)
+  return from_ordered_key(y, x.dtype, nan_high=op is lax.pmax)
 
 
 def combine_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
