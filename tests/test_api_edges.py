@@ -134,6 +134,27 @@ def test_compiling_for_an_abstract_mesh_says_there_are_no_devices():
     low.compile()
 
 
+
+def test_a_parameter_named_platform_keeps_its_keyword():
+  """``lower(platform=)`` names the platform to lower for, unless the function
+  has a parameter of that name left open: then the keyword is the function's
+  (as in ``jax.jit(f).lower``), and ``lowering_platform=`` names the platform."""
+  def f(x, platform):
+    return x * platform
+  step = gshard.partition(f, mesh(*MESH), in_specs=(P("data"), P()))
+  x = np.arange(8, dtype=np.float32)
+  np.testing.assert_array_equal(step.lower(x, platform=3.0).compile()(x, platform=3.0), 3 * x)
+  np.testing.assert_array_equal(
+      step.lower(x, platform=3.0, lowering_platform="cpu").compile()(x, 3.0), 3 * x)
+  assert "stablehlo" in step.lower(x, 2.0, platform="cpu").as_text()  # bound by position
+  am = AbstractMesh((2, 4), ("data", "model"))
+  struct = jax.ShapeDtypeStruct((8,), jnp.float32)
+  for low in (gshard.partition(f, am, in_specs=(P("data"), P())).lower(
+                  struct, platform=2.0, lowering_platform="tpu"),
+              gshard.partition(lambda x: x * 2, am).lower(struct, lowering_platform="tpu"),
+              gshard.partition(lambda x: x * 2, am).lower(struct, platform="tpu")):
+    assert "stablehlo" in low.as_text()
+
 # -- checkpoints ---------------------------------------------------------------------------
 
 def test_abstract_args_needs_a_partitioned_step():

@@ -261,6 +261,25 @@ jax.tree_util.register_pytree_with_keys(
     lambda names, values: Keywords(zip(names, values)))
 
 
+def lowering_platform(fn: Callable, args: tuple, kwargs: dict) -> tuple[str | None, dict]:
+  """The platform ``lower`` lowers for, and the keywords left for ``fn``:
+  ``lowering_platform=`` always names it; ``platform=`` does unless ``fn``
+  has a parameter of that name that ``args`` leave open (then it is ``fn``'s,
+  as ``jax.jit``'s ``lower`` passes its keywords on)."""
+  kwargs = dict(kwargs)
+  platform = kwargs.pop("lowering_platform", None)
+  if platform is None and "platform" in kwargs:
+    try:
+      params = list(inspect.signature(fn, follow_wrapped=False).parameters.values())
+    except (TypeError, ValueError):
+      params = []
+    own = [i for i, q in enumerate(params) if q.name == "platform"
+           and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    if not own or (own[0] < len(args) and params[own[0]].kind != params[0].KEYWORD_ONLY):
+      platform = kwargs.pop("platform")
+  return platform, kwargs
+
+
 def bind_positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:
   """``args`` with the keyword arguments ``kwargs`` put at their positions in
   ``fn``'s own signature (a wrapper's, not what it wraps), traced as

@@ -438,14 +438,16 @@ class Partitioned:
     finally:
       self._local.placing = False
 
-  def lower(self, *args, platform: str | None = None, **kwargs):
+  def lower(self, *args, **kwargs):
     """Lower for inspection; ``args`` may be ``jax.ShapeDtypeStruct``s.
 
     The program lowered is the one steady-state calls run: every input laid
     out as the program takes it (uneven state padded), so its HLO has no
     resharding at the boundary. ``platform="tpu"`` lowers for TPU from this
-    machine (with an ``AbstractMesh`` of any size).
+    machine (with an ``AbstractMesh`` of any size); ``lowering_platform=``
+    too, for a function with a parameter named ``platform``.
     """
+    platform, kwargs = infer.lowering_platform(self.fn, args, kwargs)
     if self._abstract and platform is None:
       raise ValueError(
           f"{self.__name__}.lower(): the mesh is an AbstractMesh "
