@@ -172,18 +172,23 @@ def test_every_entry_point_under_set_mesh_of_an_explicit_mesh(fn):
   assert len(plan.in_specs) == 2
 
 
-def test_a_shard_map_over_the_explicit_mesh_sees_the_arguments_layouts():
+@pytest.mark.parametrize("context", [False, True])
+def test_a_shard_map_over_the_explicit_mesh_sees_the_arguments_layouts(context):
   """User code that runs ``jax.shard_map(..., mesh=)`` over the Explicit mesh
   its arguments are committed to: jax checks the arguments' layouts against
   ``in_specs``, so gshard traces them as ``jax.jit`` does (typed), and only
-  code jax refuses under the types is traced as the one-device program."""
+  code jax refuses under the types is traced as the one-device program.
+  Under ``jax.set_mesh`` of that mesh jax checks the context mesh too (it
+  refused gshard's Auto one: 'context mesh should match')."""
   m = _explicit((2, 4), ("x", "y"))
   x = jax.device_put(np.arange(128, dtype=np.float32).reshape(8, 16),
                      NamedSharding(m, P("x", "y")))
   fn = lambda x: jax.shard_map(lambda a: jax.lax.psum(a, "y"), mesh=m, in_specs=P("x", "y"),
                                out_specs=P("x"))(x) * 2.0
-  got = gshard.partition(fn, m, in_specs=(P("x", "y"),))(x)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fn)(x)))
+  with jax.set_mesh(m) if context else contextlib.nullcontext():
+    got = gshard.partition(fn, m, in_specs=(P("x", "y"),))(x)
+    want = jax.jit(fn)(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("call", [

@@ -27,8 +27,8 @@ from gshard.spmd.partition.padded import logical_args
 from gshard.spmd.printing import format_jaxpr
 from gshard.spmd.graph import Graph, source_of
 from gshard.spmd.propagate import Conflict, conflicts, propagate
-from gshard.spmd.sharding import (TensorSharding, mesh_scope, mesh_sizes_of, mesh_str,
-                                  open_dims_of_spec)
+from gshard.spmd.sharding import (TensorSharding, caller_mesh_scope, mesh_scope,
+                                  mesh_sizes_of, mesh_str, open_dims_of_spec)
 
 # Frames inside gshard are not the user's source line.
 source_info_util.register_exclusion(__file__.rsplit("/spmd/", 1)[0])
@@ -205,13 +205,17 @@ def trace(fn: Callable, args: Sequence[Any]):
 
   Arguments committed to a mesh with Explicit axes are traced as given, as
   ``jax.jit`` traces them (a ``jax.shard_map`` over that mesh checks their
-  layouts); where jax's sharding-in-types rules refuse the code under those
+  layouts, and under ``jax.set_mesh`` of it the context: traced again under
+  the caller's mesh when it refuses gshard's); where jax's sharding-in-types rules refuse the code under those
   layouts, as the one-device program (their shapes and dtypes): gshard
   chooses every layout itself. If that fails too, the first error is raised,
   as ``jax.jit`` raises it."""
   try:
     return _trace(fn, args)
   except Exception as e:
+    if _CONTEXT_MESH in str(e):      # a shard_map over the caller's jax.set_mesh mesh
+      with caller_mesh_scope():
+        return _trace(fn, args)
     plain = logical_args(args, untyped=True)
     if any(a is not b for a, b in zip(jax.tree_util.tree_leaves(plain),
                                       jax.tree_util.tree_leaves(args))):
@@ -229,6 +233,9 @@ def trace(fn: Callable, args: Sequence[Any]):
           f"P(...)). jax said: {e}") from e
     raise
 
+
+# jax's message for a shard_map whose mesh is not the context's (gshard's Auto one)
+_CONTEXT_MESH = "should match the mesh passed to shard_map"
 
 # jax's messages for explicit-sharding calls under Auto axes
 _EXPLICIT_CALLS = ("cannot contain axis names that are of type Auto",

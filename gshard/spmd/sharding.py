@@ -347,6 +347,28 @@ def mesh_scope(mesh):
   mesh_type = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
   if current.empty or current == mesh_type:
     return contextlib.nullcontext()
-  if isinstance(mesh, AbstractMesh):
-    return jax.sharding.use_abstract_mesh(mesh)
-  return jax.set_mesh(mesh)
+  scope = (jax.sharding.use_abstract_mesh(mesh) if isinstance(mesh, AbstractMesh)
+           else jax.set_mesh(mesh))
+  return _replacing(scope, current)
+
+
+_CALLERS: list = []    # the context meshes mesh_scope replaced, innermost last
+
+
+@contextlib.contextmanager
+def _replacing(scope, caller):
+  _CALLERS.append(caller)
+  try:
+    with scope:
+      yield
+  finally:
+    _CALLERS.pop()
+
+
+def caller_mesh_scope():
+  """Inside :func:`mesh_scope`: the caller's own context mesh again (the
+  user's function is traced as ``jax.jit`` would trace it, where a
+  ``jax.shard_map`` over that mesh checks the context); otherwise nothing."""
+  if not _CALLERS:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(_CALLERS[-1])
