@@ -10,6 +10,7 @@ functions below, each with a worked example.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -352,23 +353,23 @@ def mesh_scope(mesh):
   return _replacing(scope, current)
 
 
-_CALLERS: list = []    # the context meshes mesh_scope replaced, innermost last
+# the context mesh the innermost mesh_scope replaced (per thread, as jax's own)
+_CALLER = contextvars.ContextVar("gshard_caller_mesh", default=None)
 
 
 @contextlib.contextmanager
 def _replacing(scope, caller):
-  _CALLERS.append(caller)
+  token = _CALLER.set(caller)
   try:
     with scope:
       yield
   finally:
-    _CALLERS.pop()
+    _CALLER.reset(token)
 
 
 def caller_mesh_scope():
   """Inside :func:`mesh_scope`: the caller's own context mesh again (the
   user's function is traced as ``jax.jit`` would trace it, where a
   ``jax.shard_map`` over that mesh checks the context); otherwise nothing."""
-  if not _CALLERS:
-    return contextlib.nullcontext()
-  return jax.sharding.use_abstract_mesh(_CALLERS[-1])
+  caller = _CALLER.get()
+  return contextlib.nullcontext() if caller is None else jax.sharding.use_abstract_mesh(caller)
