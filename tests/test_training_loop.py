@@ -376,3 +376,41 @@ def test_padded_state_checkpoints_with_orbax(tmp_path):
   a = step(*restored, tokens)
   b = step(*state, tokens)
   assert_trees_close(a, gshard.unpad(b), rtol=0, atol=0)
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_OUTER = {
+    "jit": lambda ps, w, x: jax.jit(ps)(w, x),
+    "scan": lambda ps, w, x: jax.lax.scan(lambda c, _: (ps(c, x)[0], None), w, None,
+                                          length=2)[0],
+    "grad": lambda ps, w, x: jax.grad(lambda w: ps(w, x)[1])(w),
+    "eval_shape": lambda ps, w, x: jax.eval_shape(ps, w, x),
+}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(_OUTER)), st.sampled_from([8, 10]),
+       st.sampled_from([P(None, "model"), P("model"), P("data", "model"), P()]))
+def test_a_step_with_state_composes_with_jax_transformations(outer, rows, spec):
+  """A partitioned step whose output is the next value of an input, called
+  under jax.jit / scan / grad / eval_shape: as the plain step is. Placing the
+  state (even or padded) read a tracer's ``committed``: jax's
+  ConcretizationTypeError."""
+  rng = np.random.default_rng(rows)
+  w = rng.standard_normal((rows, 8)).astype(np.float32)
+  x = rng.standard_normal((16, rows)).astype(np.float32)
+
+  def step(w, x):
+    return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w), jnp.sum(w * w)
+
+  ps = gshard.partition(step, mesh(*M24), in_specs=(spec, P("data")))
+  got = jax.tree.map(lambda a: gshard.unpad(a) if isinstance(a, gshard.PaddedArray) else a,
+                     _OUTER[outer](ps, w, x), is_leaf=lambda a: isinstance(a, gshard.PaddedArray))
+  want = _OUTER[outer](step, w, x)
+  if outer == "eval_shape":
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), got) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), want)
+  else:
+    assert_trees_close(got, want)

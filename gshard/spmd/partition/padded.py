@@ -158,9 +158,10 @@ def logical_args(args, untyped: bool = False):
 
 def elsewhere(x, devices: tuple) -> bool:
   """``x`` is an array committed to devices other than ``devices`` (a mesh's,
-  flat), or to them in another order: a jit over the mesh refuses it."""
+  flat), or to them in another order: a jit over the mesh refuses it. A
+  tracer (a call under an outer jit, grad or scan) is committed nowhere."""
   x = x.data if is_padded(x) else x
-  return isinstance(x, jax.Array) and x.committed and (
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed and (
       x.sharding.device_set != set(devices) or isinstance(x.sharding, NamedSharding)
       and tuple(x.sharding.mesh.devices.flat) != devices)
 
