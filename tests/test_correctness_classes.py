@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -297,6 +299,31 @@ def test_pmap_style_collectives_over_an_unbound_axis_are_identities():
   assert int(got[1]) == 1 and int(got[2]) == 0
 
 
+_PMAP_STYLE = {
+    "pmean": lambda x: lax.pmean(x, "batch"),
+    "pmax": lambda x: lax.pmax(x, "batch"),
+    "all_gather": lambda x: lax.all_gather(x, "batch"),
+    "all_gather tiled": lambda x: lax.all_gather(x, "batch", axis=1, tiled=True),
+    "psum_scatter": lambda x: lax.psum_scatter(x[None], "batch"),
+    "all_to_all": lambda x: lax.all_to_all(x[None], "batch", 0, 0)[0],
+    "all_to_all 1 0": lambda x: lax.all_to_all(x[:, None], "batch", 1, 0, tiled=True),
+    "ppermute": lambda x: lax.ppermute(x, "batch", [(0, 0)]),
+    "axis_index": lambda x: x + lax.axis_index("batch"),
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(sorted(_PMAP_STYLE)), st.sampled_from([P("a"), P(None, "b"), None]))
+def test_pmap_style_collectives_equal_a_one_device_pmap(name, spec):
+  """Each pmap-style collective over an axis only pmap binds gives what
+  ``jax.pmap`` over one device gives (all_to_all came out (8, 4, 1, 8, 4)
+  for (8, 4): jax's batching rule mis-shapes an unbatched operand)."""
+  f = lambda x: _PMAP_STYLE[name](x * 2.0)
+  want = jax.pmap(f, axis_name="batch", devices=jax.devices()[:1])(X84[None])[0]
+  got = gshard.partition(f, mesh(*M24), in_specs=(spec,))(X84)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
 def test_split_of_a_scalar_says_there_is_no_dim():
   with pytest.raises(ValueError, match=r"split\(x, dim=0, axis='b'\): x is a scalar "
                      r"\(f32\[\]\): it has no dim to split. Use gshard.replicate\(x\)"):
@@ -305,8 +332,6 @@ def test_split_of_a_scalar_says_there_is_no_dim():
 
 # -- the order-preserving keys max/min/argmax travel as -------------------------
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 from gshard.spmd.partition.reduce import from_ordered_key, ordered_key  # noqa: E402
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 from jax.extend import source_info_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -193,8 +194,12 @@ def bind_axis_names(fn: Callable, names: Sequence[str]) -> Callable:
 
 
 def _bind_axis(fn, name):
+  """The arguments enter batched (a leading dim of 1): jax's batching rule of
+  ``all_to_all`` over the vmapped axis mis-shapes an unbatched operand
+  (``(8, 4)`` came out ``(8, 4, 1, 8, 4)``)."""
   def bound(*args):
-    outs = jax.vmap(fn, in_axes=None, out_axes=0, axis_name=name, axis_size=1)(*args)
+    lead = jax.tree.map(lambda a: lax.expand_dims(a, (0,)), args)
+    outs = jax.vmap(fn, in_axes=0, out_axes=0, axis_name=name, axis_size=1)(*lead)
     return jax.tree.map(lambda y: y[0], outs)
   return bound
 
