@@ -149,6 +149,30 @@ def test_fitting_limits_are_monotone_and_errors_name_the_least_reached(m8, monke
   assert first_fit >= least[0]
 
 
+
+def _tanh_mlp_step(p, x):
+  loss = lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+  l, g = jax.value_and_grad(loss)(p)
+  return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+
+
+def test_a_limit_the_unlimited_plan_fits_is_never_refused():
+  """The model puts the unlimited plan above the memory of its least-memory
+  plans (409,600 against ~401,000 bytes), while XLA compiles it to 360,476:
+  a limit between the two was 'no layout fits'. Every limit from the
+  unlimited plan's compiled memory up returns a plan that fits it."""
+  m = mesh((2, 4), ("data", "model"))
+  S = jax.ShapeDtypeStruct
+  args = ({"w1": S((256, 512), jnp.float32), "w2": S((512, 256), jnp.float32)},
+          S((64, 256), jnp.float32))
+  free = gshard.auto_shard(_tanh_mlp_step, m, runner_up_seconds=0.0)(*args)
+  top = free.cost.compiled_memory
+  for limit in (top, top * 1.05):
+    plan = gshard.auto_shard(_tanh_mlp_step, m, memory_limit=limit,
+                             runner_up_seconds=0.0)(*args)
+    assert plan.cost.compiled_memory <= limit
+    assert plan.cost.bytes <= free.cost.bytes
+
 def test_no_layout_fits_is_a_clear_error(m8):
   with pytest.raises(ValueError) as e:
     gshard.auto_shard(mlp_step, m8, memory_limit=2**20, **QUICK)(*mlp_args(2048, 512, 1024))

@@ -253,7 +253,8 @@ class AutoShard:
     found none (``first`` None: its estimate may be above what XLA needs, and
     the error should name the memory XLA reaches, not the model's).
 
-    First the plans at the model's least memory (``PROBES``: a few budgets
+    First the plan without a limit (the fewest bytes: returned if it fits),
+    then the plans at the model's least memory (``PROBES``: a few budgets
     just above it, whose tied optima realize to different programs): they
     do not depend on the limit, so a limit that one of them fits is never
     reported infeasible, whatever a smaller limit found. None fits: no
@@ -263,11 +264,16 @@ class AutoShard:
     fitting probe's (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan
     still fits, keeping the fitting plan that sends least; not when the
     model found no plan at the limit (the probe is returned)."""
+    # the plan without a limit first: the model may put it above what XLA
+    # needs, and then above the least-memory plans (a limit it fits was refused)
+    free = attempt(None)
+    if free.fits(limit):
+      return free
     # the first solve's cuts depend on the limit: the probes start from the
     # replicated program's peaks alone, so they are the same for every limit
     cache["sets"] = cache["mem"].peak_sets()
     least = least_memory(graph, jaxpr, self.mesh_sizes, self.opts, paths, cache)
-    probes, best = {}, None           # program -> attempt (one may be the first's)
+    probes, best = {free.key: free}, None    # program -> attempt
     for d in PROBES:
       try:
         a = attempt(least * (1 + d))
