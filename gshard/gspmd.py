@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import as_sharding_constraints
-from gshard.spmd.sharding import mesh_scope, with_auto_axes
+from gshard.spmd.sharding import mesh_scope, require_mesh, with_auto_axes
 
 
 def _to_shardings(mesh, specs):
@@ -58,7 +58,7 @@ def gspmd_jit(fn: Callable, mesh, in_specs=None, out_specs=None):
     The ``jax.jit``-ed function (``.lower(...)``, ``.trace(...)`` as usual).
   """
 
-  mesh = with_auto_axes(mesh)
+  mesh = with_auto_axes(require_mesh(mesh))
 
   @functools.wraps(fn)
   def constrained(*args):

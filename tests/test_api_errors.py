@@ -138,3 +138,45 @@ def test_strict_safe_path_that_would_gather_raises_with_a_fix():
                        r"at .*test_api_errors\.py:\d+:\d+ \(_row_max\): the safe path would "
                        r"gather its operands.*strict=True forbids that\. Replicate"):
       step(X)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: gshard.partition(lambda a: a, m, in_specs=(P(1, None),)),
+    lambda m: gshard.partition(lambda a: a, m, out_specs=P(1)),
+    lambda m: gshard.infer_shardings(lambda a: a, m, in_specs=(P(1),)),
+    lambda m: gshard.partition(lambda a: a, m, in_specs=(P("data", unreduced={"model"}),)),
+    lambda m: gshard.partition(lambda a: a, m, out_specs=P("data", reduced={"model"})),
+    lambda m: gshard.partition(lambda a: gshard.shard(a, P("data", unreduced={"model"})), m),
+])
+def test_spec_entries_that_are_not_a_layout_are_gshards_error(make):
+  """A spec entry that is not an axis name (1), or jax's unreduced= /
+  reduced= sets (explicit-sharding partial sums): gshard's error naming the
+  spec's place and the shape, not 'int is not iterable' or jax's '*pspec is
+  dangerous'."""
+  with pytest.raises((TypeError, ValueError)) as e:
+    make(mesh(*M24))(jnp.ones((8, 12)))
+  assert "8, 12" in str(e.value) or "8,12" in str(e.value), str(e.value)
+  assert "not a mesh axis name" in str(e.value) or "unreduced/reduced" in str(e.value)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: gshard.partition(lambda a: a, m),
+    lambda m: gshard.gspmd_jit(lambda a: a, m),
+    lambda m: gshard.coverage(lambda a: a, jnp.ones(8), mesh=m),
+])
+def test_a_mapping_is_not_a_mesh_to_run_on(make):
+  with pytest.raises(TypeError, match=r"mesh must be a jax Mesh or AbstractMesh.*dict"):
+    make({"data": 2, "model": 4})
+
+
+@pytest.mark.parametrize("call", [
+    lambda s, x: s(x, "x"),
+    lambda s, x: s.lower(x, "x"),
+    lambda s, x: s(x, mode="x"),
+])
+def test_a_non_array_argument_names_its_path_and_functools_partial(call):
+  """jax's message names static_argnums, which gshard.partition does not take."""
+  step = gshard.partition(lambda a, mode: a * 2, mesh(*M24))
+  with pytest.raises(TypeError, match=r"a str \('x'\) was passed at path args\[1\].*"
+                                      r"functools\.partial\(<lambda>, mode=\.\.\.\)"):
+    call(step, jnp.ones((8, 4)))

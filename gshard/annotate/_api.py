@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate._primitive import Annotation, annotate_p
-from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str,
+from gshard.spmd.sharding import (TensorSharding, check_spec_entries, mesh_sizes_of, mesh_str,
                                   open_dims_of_spec, short_dtype)
 
 _current_mesh: contextvars.ContextVar[Mapping[str, int] | None] = (
@@ -151,6 +151,7 @@ def shard(x, spec: P):
         f"shard(x, spec={spec!r}): spec must be a jax.sharding.PartitionSpec, "
         f"e.g. P('data', None) for x of rank {np.ndim(x)}.")
   call = f"shard(x, {spec})"
+  check_spec_entries(spec, f"{call}: x is {_describe(x)}")
   rank = np.ndim(x)
   if len(spec) > rank:
     raise ValueError(

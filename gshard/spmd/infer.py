@@ -24,12 +24,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gshard.annotate import mesh_context
-from gshard.spmd.partition.padded import logical_args
+from gshard.spmd.partition.padded import logical_args, logical_struct
 from gshard.spmd.printing import format_jaxpr
 from gshard.spmd.graph import Graph, source_of
 from gshard.spmd.propagate import Conflict, conflicts, propagate
-from gshard.spmd.sharding import (TensorSharding, caller_mesh_scope, mesh_scope,
-                                  mesh_sizes_of, mesh_str, open_dims_of_spec)
+from gshard.spmd.sharding import (TensorSharding, caller_mesh_scope, check_spec_entries,
+                                  mesh_scope, mesh_sizes_of, mesh_str, open_dims_of_spec)
 
 # Frames inside gshard are not the user's source line.
 source_info_util.register_exclusion(__file__.rsplit("/spmd/", 1)[0])
@@ -88,6 +88,8 @@ def spec_to_pin(spec: P, shape, mesh_sizes, where: str):
         f"mesh {mesh_str(mesh_sizes)}; give a jax.sharding.PartitionSpec, e.g. "
         f"P({', '.join(repr(a) for a in list(mesh_sizes)[:rank])}), or None to let "
         "propagation decide.")
+  check_spec_entries(spec, f"{where}: {what} of shape {shape}, on mesh "
+                           f"{mesh_str(mesh_sizes)}")
   if len(spec) > rank:
     raise ValueError(
         f"{where}: {what} has shape {shape} (rank {rank}) but its spec {spec} "
@@ -271,6 +273,37 @@ jax.tree_util.register_pytree_with_keys(
     Keywords,
     lambda k: ([(jax.tree_util.DictKey(n), k[n]) for n in sorted(k)], tuple(sorted(k))),
     lambda names, values: Keywords(zip(names, values)))
+
+
+def non_array_error(fn: Callable, name: str, args, error: Exception) -> Exception:
+  """gshard's error for the first leaf of ``args`` that is not an array (jax
+  refuses it: its message names ``static_argnums``, which gshard does not
+  take), else ``error`` itself."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]:
+    try:
+      jax.typeof(leaf)
+    except TypeError:
+      kw = getattr(path[-1], "key", None)
+      if not isinstance(kw, str):
+        try:
+          kw = list(inspect.signature(fn).parameters)[path[0].idx]
+        except (TypeError, ValueError, IndexError, AttributeError):
+          kw = "arg"
+      return TypeError(
+          f"{name}: a {type(leaf).__name__} ({leaf!r:.40}) was passed at path "
+          f"args{jax.tree_util.keystr(path)}, where an array goes. The arguments of a "
+          "partitioned function are arrays (or pytrees of arrays, ShapeDtypeStructs, "
+          "Python scalars); bind any other before partitioning, e.g. gshard.partition("
+          f"functools.partial({name}, {kw}=...), mesh), or close over it.")
+  return error
+
+
+def structs_of(fn: Callable, name: str, leaves, treedef) -> list:
+  """:func:`logical_struct` of each leaf; a non-array leaf is gshard's error."""
+  try:
+    return [logical_struct(x) for x in leaves]
+  except TypeError as e:
+    raise non_array_error(fn, name, jax.tree_util.tree_unflatten(treedef, leaves), e) from None
 
 
 def lowering_platform(fn: Callable, args: tuple, kwargs: dict) -> tuple[str | None, dict]:

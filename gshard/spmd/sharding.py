@@ -190,6 +190,26 @@ def _axes_entry(axes: Axes):
   return axes[0] if len(axes) == 1 else tuple(axes)
 
 
+def check_spec_entries(spec: P, where: str) -> None:
+  """Errors for what gshard cannot read as a layout: jax's ``unreduced`` /
+  ``reduced`` sets (explicit-sharding partial sums; gshard keeps pending sums
+  itself) and entries that are not axis names. ``where`` starts the message
+  (the argument, the shape, the mesh)."""
+  extra = sorted(set(getattr(spec, "unreduced", ())) | set(getattr(spec, "reduced", ())))
+  if extra:
+    raise ValueError(
+        f"{where}: the spec marks mesh axes {extra} unreduced/reduced, jax's partial "
+        "sums for Explicit axes; gshard takes a layout only and keeps pending sums "
+        f"itself. Give P{tuple(spec._partitions)!r} (without unreduced= / reduced=).")
+  for e in spec._partitions:
+    names = e if isinstance(e, tuple) else (e,)
+    if e is not _UNCONSTRAINED and not all(n is None or isinstance(n, str) for n in names):
+      raise TypeError(
+          f"{where}: spec entry {e!r} is not a mesh axis name; each entry is None, "
+          "a mesh axis name (a string), a tuple of names or P.UNCONSTRAINED, e.g. "
+          "P('data', None).")
+
+
 def open_dims_of_spec(spec: P | None) -> frozenset[int]:
   """Indices of ``P.UNCONSTRAINED`` entries: dims propagation may still split."""
   if spec is None:
@@ -320,6 +340,16 @@ def mesh_sizes_of(mesh) -> dict[str, int]:
         f"mesh must be a jax Mesh or AbstractMesh (e.g. gshard.make_mesh((2, 4), "
         f"('data', 'model'))), got {mesh!r} ({type(mesh).__name__}).")
   return dict(shape)
+
+
+def require_mesh(mesh):
+  """``mesh`` if it is a jax ``Mesh`` or ``AbstractMesh`` (what runs a
+  program; a mapping of axis sizes only propagates), else the TypeError."""
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    raise TypeError(
+        f"mesh must be a jax Mesh or AbstractMesh (e.g. gshard.make_mesh((2, 4), "
+        f"('data', 'model'))), got {mesh!r} ({type(mesh).__name__}).")
+  return mesh
 
 
 def with_auto_axes(mesh):

@@ -35,10 +35,9 @@ from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pi
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
-from gshard.spmd.partition.padded import (PaddedArray, elsewhere, is_padded, logical_struct,
-                                          pad_to)
+from gshard.spmd.partition.padded import PaddedArray, elsewhere, is_padded, pad_to
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str, short_dtype,
-                                   mesh_scope, with_auto_axes)
+                                   mesh_scope, require_mesh, with_auto_axes)
 
 
 @dataclasses.dataclass
@@ -245,7 +244,7 @@ class Partitioned:
                       f"({type(strict).__name__}). strict=True raises where a primitive "
                       "without a partition rule would gather its operands.")
     self.fn = fn
-    self.mesh = mesh = with_auto_axes(mesh)
+    self.mesh = mesh = with_auto_axes(require_mesh(mesh))
     self.mesh_sizes = mesh_sizes_of(mesh)
     self.in_specs = in_specs
     self.out_specs = out_specs
@@ -276,7 +275,7 @@ class Partitioned:
       return self._program(leaves, treedef)
 
   def _program(self, leaves, treedef) -> Program:
-    structs = [logical_struct(x) for x in leaves]
+    structs = infer.structs_of(self.fn, self.__name__, leaves, treedef)
     key = (treedef, tuple((tuple(s.shape), str(s.dtype), bool(s.weak_type))
                           for s in structs))
     prog = self._cache.get(key)
@@ -425,6 +424,8 @@ class Partitioned:
     except _Place as p:    # with any argument committed elsewhere (jax refuses it)
       foreign = self._foreign(jax.tree_util.tree_flatten(args, is_leaf=is_padded)[0])
       placed = self._placed(args, p.program, sorted(set(p.need) | set(foreign)))
+    except TypeError as e:        # jax's refusal of a non-array argument: gshard's
+      raise infer.non_array_error(self.fn, self.__name__, args, e) from None
     except ValueError:
       leaves, _ = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
       foreign = self._foreign(leaves)
@@ -443,9 +444,8 @@ class Partitioned:
 
     The program lowered is the one steady-state calls run: every input laid
     out as the program takes it (uneven state padded), so its HLO has no
-    resharding at the boundary. ``platform="tpu"`` lowers for TPU from this
-    machine (with an ``AbstractMesh`` of any size); ``lowering_platform=``
-    too, for a function with a parameter named ``platform``.
+    resharding at the boundary. ``platform="tpu"`` (``lowering_platform=`` if
+    ``fn`` has a ``platform``) lowers for TPU from here, any ``AbstractMesh``.
     """
     platform, kwargs = infer.lowering_platform(self.fn, args, kwargs)
     if self._abstract and platform is None:
