@@ -93,10 +93,21 @@ def _name(path) -> str:
   return ".".join(parts)
 
 
-def _flatten(tree):
-  """(name, leaf) pairs with padded nodes as leaves, and the treedef."""
+def _flatten(tree, what: str):
+  """(name, leaf) pairs with padded nodes as leaves, and the treedef. Two
+  leaves whose names collide (``{'a.b': x, 'a': {'b': y}}``) are an error:
+  their metadata would be one entry, and one of them would come back wrong."""
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_padded)
-  return [(_name(p), x) for p, x in pairs], treedef
+  named = [(_name(p), x) for p, x in pairs]
+  seen: dict[str, str] = {}
+  for (name, _), (path, _) in zip(named, pairs):
+    if name in seen:
+      raise ValueError(
+          f"gshard.checkpoint.{what}: the leaves at {seen[name]} and "
+          f"{jax.tree_util.keystr(path)} are both named {name!r} in a checkpoint (keys "
+          "are joined with dots). Rename a key so that no two leaves' dotted paths agree.")
+    seen[name] = jax.tree_util.keystr(path)
+  return named, treedef
 
 
 def _stored(x):
@@ -154,8 +165,20 @@ def abstract_args(step, *args) -> tuple:
 # -- save -------------------------------------------------------------------------------
 
 def _dtype_str(x) -> str:
-  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-  return str(dtype)
+  """The dtype jax gives the leaf: a Python scalar or a 64-bit NumPy array
+  (without x64) as jax takes it into a step, so a saved ``(w, 0, 0.1)``
+  matches ``abstract_args``'s int32 and float32 targets."""
+  dtype = x.dtype if hasattr(x, "dtype") else jax.typeof(x).dtype
+  return str(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _as_target(x):
+  """A restore target leaf: a Python or NumPy scalar stands for a
+  ``ShapeDtypeStruct`` of its shape and jax's dtype."""
+  if is_padded(x) or hasattr(x, "shape") and hasattr(x, "dtype") and not np.isscalar(x):
+    return x
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
 def _is_manager(x) -> bool:
@@ -184,7 +207,7 @@ def save(destination, state, *, step: int | None = None, force: bool = False,
   """
   import orbax.checkpoint as ocp
 
-  pairs, treedef = _flatten(state)
+  pairs, treedef = _flatten(state, "save")
   stored = jax.tree_util.tree_unflatten(treedef, [_stored(x) for _, x in pairs])
   meta = {_META: {"format": _FORMAT, "leaves": {
       name: {"shape": [int(n) for n in np.shape(_stored(x))],
@@ -293,7 +316,8 @@ def restore(source, target, *, step: int | None = None):
         "(its metadata has no record of the logical shapes). Restore it with orbax "
         "directly: ocp.StandardCheckpointer().restore(path, target).")
   saved = recorded["leaves"]
-  pairs, treedef = _flatten(target)
+  pairs, treedef = _flatten(jax.tree.map(_as_target, target, is_leaf=is_padded),
+                           "restore")
   _check_structure(saved, [k for k, _ in pairs], where)
   for key, x in pairs:
     _check_leaf(key, x, saved[key], where)
@@ -330,7 +354,7 @@ def _check_leaf(key: str, x, saved: dict, where: str) -> None:
         f"gshard.checkpoint.restore: leaf {key}: the checkpoint at {where} holds shape "
         f"{list(saved_logical)}, the target wants {list(logical)}. The checkpoint is of "
         "another model or configuration; build the target from the state you saved.")
-  if saved["dtype"] != _dtype_str(data):
+  if str(jax.dtypes.canonicalize_dtype(jax.numpy.dtype(saved["dtype"]))) != _dtype_str(data):
     raise ValueError(
         f"gshard.checkpoint.restore: leaf {key}: the checkpoint holds {saved['dtype']}, "
         f"the target wants {_dtype_str(data)}. Restore with the saved dtype and convert "

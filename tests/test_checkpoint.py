@@ -254,6 +254,39 @@ def test_restore_errors_name_the_leaf_and_the_fix(trained, tmp_path):
       gshard.checkpoint.save(mngr, state)
 
 
+
+@pytest.mark.parametrize("scalar_target", [False, True])
+def test_state_with_python_scalars_restores(tmp_path, scalar_target):
+  """A state as first passed to a step, ``(w, 0, 0.1)``: saved, it restores
+  onto ``abstract_args``'s int32/float32 targets (the record said int64 and
+  float64, NumPy's, and restore refused), or onto Python scalars as target
+  leaves (an AttributeError)."""
+  mesh = gshard.make_mesh((8,), ("d",))
+
+  def train(w, count, lr, x):
+    return w - lr * (x @ w).sum(0), count + 1, lr
+
+  step = gshard.partition(train, mesh, in_specs=(P(None, "d"), None, None, P("d")))
+  w, x = jnp.arange(32.0).reshape(4, 8), jnp.ones((8, 4))
+  state = (w, 0, 0.1)
+  gshard.checkpoint.save(tmp_path / "c", state)
+  target = (gshard.checkpoint.abstract_args(step, *state, x)[:3] if not scalar_target
+            else (jax.ShapeDtypeStruct((4, 8), jnp.float32,
+                                       sharding=NamedSharding(mesh, P(None, "d"))), 7, 1.5))
+  got = gshard.checkpoint.restore(tmp_path / "c", target)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(w))
+  assert [np.asarray(v).dtype for v in got[1:]] == [np.int32, np.float32]
+  assert int(got[1]) == 0 and float(got[2]) == np.float32(0.1)
+  step(*got, x)          # it runs
+
+
+def test_leaves_whose_dotted_names_collide_are_an_error(tmp_path):
+  """``{'a.b': x, 'a': {'b': y}}``: both leaves are 'a.b' in the checkpoint's
+  names; one came back as the other, silently."""
+  x = jnp.ones(4)
+  with pytest.raises(ValueError, match=r"\['a'\]\['b'\] and \['a\.b'\] are both named 'a\.b'"):
+    gshard.checkpoint.save(tmp_path / "c", {"a.b": x, "a": {"b": 2 * x}})
+
 def test_manager_save_and_restore_steps(trained, tmp_path):
   cfg, step, init, state, _ = trained
   target = gshard.checkpoint.abstract_args(
