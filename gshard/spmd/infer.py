@@ -220,6 +220,9 @@ def trace(fn: Callable, args: Sequence[Any]):
   try:
     return _trace(fn, args)
   except Exception as e:
+    bad = non_array_error(fn, getattr(fn, "__name__", "fn"), args, e)
+    if bad is not e:                 # a non-array argument
+      raise bad from None
     if _CONTEXT_MESH in str(e):      # a shard_map over the caller's jax.set_mesh mesh
       with caller_mesh_scope():
         return _trace(fn, args)
