@@ -165,11 +165,9 @@ def abstract_args(step, *args) -> tuple:
 # -- save -------------------------------------------------------------------------------
 
 def _dtype_str(x) -> str:
-  """The dtype jax gives the leaf: a Python scalar or a 64-bit NumPy array
-  (without x64) as jax takes it into a step, so a saved ``(w, 0, 0.1)``
-  matches ``abstract_args``'s int32 and float32 targets."""
-  dtype = x.dtype if hasattr(x, "dtype") else jax.typeof(x).dtype
-  return str(jax.dtypes.canonicalize_dtype(dtype))
+  """The leaf's dtype; a Python scalar's as jax takes it into a step, so a
+  saved ``(w, 0, 0.1)`` matches ``abstract_args``'s int32 and float32 targets."""
+  return str(x.dtype if hasattr(x, "dtype") else jax.typeof(x).dtype)
 
 
 def _as_target(x):
@@ -354,7 +352,7 @@ def _check_leaf(key: str, x, saved: dict, where: str) -> None:
         f"gshard.checkpoint.restore: leaf {key}: the checkpoint at {where} holds shape "
         f"{list(saved_logical)}, the target wants {list(logical)}. The checkpoint is of "
         "another model or configuration; build the target from the state you saved.")
-  if str(jax.dtypes.canonicalize_dtype(jax.numpy.dtype(saved["dtype"]))) != _dtype_str(data):
+  if saved["dtype"] != _dtype_str(data):
     raise ValueError(
         f"gshard.checkpoint.restore: leaf {key}: the checkpoint holds {saved['dtype']}, "
         f"the target wants {_dtype_str(data)}. Restore with the saved dtype and convert "

@@ -180,3 +180,14 @@ def test_a_non_array_argument_names_its_path_and_functools_partial(call):
   with pytest.raises(TypeError, match=r"a str \('x'\) was passed at path args\[1\].*"
                                       r"functools\.partial\(<lambda>, mode=\.\.\.\)"):
     call(step, jnp.ones((8, 4)))
+
+
+def test_a_users_own_type_error_keeps_its_cause():
+  def f(x):
+    try:
+      {}["k"]
+    except KeyError as e:
+      raise TypeError("mine") from e
+  with pytest.raises(TypeError, match="mine") as e:
+    gshard.partition(f, mesh(*M24))(jnp.ones(8))
+  assert isinstance(e.value.__cause__, KeyError)

@@ -350,3 +350,16 @@ def test_example_refuses_a_kill_step_that_does_not_save():
   with pytest.raises(SystemExit):
     checkpoint_resume.parse(["--kill-at", "5", "--save-every", "4"])
   assert isinstance(checkpoint_resume.parse([]), argparse.Namespace)
+
+
+def test_typed_keys_and_64_bit_leaves_keep_their_dtypes(tmp_path):
+  """A typed PRNG key saves and restores; an int64 leaf saved under x64 is
+  refused by an int32 target (restoring it would cut 2**40 to 0), not cast."""
+  key = jax.random.key(3)
+  gshard.checkpoint.save(tmp_path / "k", {"key": key})
+  got = gshard.checkpoint.restore(tmp_path / "k", {"key": jax.ShapeDtypeStruct((), key.dtype)})
+  assert np.array_equal(jax.random.key_data(got["key"]), jax.random.key_data(key))
+  with jax.enable_x64(True):
+    gshard.checkpoint.save(tmp_path / "w", {"w": jnp.full(2, 2**40, jnp.int64)})
+  with pytest.raises(ValueError, match="holds int64, the target wants int32"):
+    gshard.checkpoint.restore(tmp_path / "w", {"w": jax.ShapeDtypeStruct((2,), jnp.int32)})

@@ -50,6 +50,11 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
                                           dst=_trailing(plan.dst, x_local)),
                       tuple(global_shape) + key_shape(x_local), mesh_sizes, chunks_first)
     return jax.random.wrap_key_data(data, dtype=dtype)
+  if _moves_as_bits(dtype) and all(s.kind not in ("psum", "psum_scatter") for s in plan.steps):
+    # float8 moves as its bits: XLA:CPU's all-gather made e5m2's -NaN +NaN
+    bits = apply_plan(lax.bitcast_convert_type(x_local, np.uint8), plan, global_shape,
+                      mesh_sizes, chunks_first)
+    return lax.bitcast_convert_type(bits, dtype)
   order = mesh_axis_order(mesh_sizes)
   for step in plan.steps:
     if step.kind in ("psum_scatter", "all_gather"):
@@ -60,6 +65,12 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
   assert tuple(x_local.shape) == plan.dst.local_shape(global_shape, mesh_sizes)
   assert x_local.dtype == dtype, (plan, dtype, x_local.dtype)
   return x_local
+
+
+def _moves_as_bits(dtype) -> bool:
+  """An 8-bit float: moved (gathered, permuted) as uint8."""
+  return (jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
+          and jnp.finfo(dtype).bits == 8)
 
 
 def is_key(dtype) -> bool:

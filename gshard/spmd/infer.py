@@ -181,29 +181,60 @@ _UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
 MAX_BOUND_NAMES = 8
 
 
-def bind_axis_names(fn: Callable, names: Sequence[str]) -> Callable:
+def bind_axis_names(fn: Callable, names: Sequence[str], batched: bool = False) -> Callable:
   """``fn`` with the named axes ``names`` bound, each of size 1.
 
   pmap-style code (``lax.pmean(grads, "batch")`` written for ``jax.pmap``)
   names an axis that only pmap binds. Run without pmap, a collective over a
   size-1 axis is an identity (``pmean``/``psum`` of one value, ``axis_index``
   0, ``all_gather`` a leading dim of 1): gshard's own partitioning then does
-  the data-parallel reduction the pmap program did by hand.
+  the data-parallel reduction the pmap program did by hand. ``batched``: the
+  arguments enter with a leading dim of 1 (see :func:`_needs_batched`).
   """
   for name in names:
-    fn = _bind_axis(fn, name)
+    fn = _bind_axis(fn, name, batched)
   return fn
 
 
-def _bind_axis(fn, name):
-  """The arguments enter batched (a leading dim of 1): jax's batching rule of
-  ``all_to_all`` over the vmapped axis mis-shapes an unbatched operand
-  (``(8, 4)`` came out ``(8, 4, 1, 8, 4)``)."""
+def _bind_axis(fn, name, batched: bool):
   def bound(*args):
-    lead = jax.tree.map(lambda a: lax.expand_dims(a, (0,)), args)
-    outs = jax.vmap(fn, in_axes=0, out_axes=0, axis_name=name, axis_size=1)(*lead)
+    if not batched:
+      outs = jax.vmap(fn, in_axes=None, out_axes=0, axis_name=name, axis_size=1)(*args)
+    else:
+      lead = jax.tree.map(lambda a: lax.expand_dims(a, (0,)), args)
+      outs = jax.vmap(fn, in_axes=0, out_axes=0, axis_name=name, axis_size=1)(*lead)
     return jax.tree.map(lambda y: y[0], outs)
   return bound
+
+
+def _needs_batched(fn, names, args) -> bool:
+  """Whether ``fn`` runs an ``all_to_all`` over a bound name: jax's batching
+  rule mis-shapes its unbatched operand (``(8, 4)`` came out ``(8, 4, 1, 8,
+  4)``), so its arguments enter batched. Not otherwise: batched, an index
+  taken from an argument becomes a gather, and a callback cannot be vmapped.
+  Found on the program traced with the names bound as collectives."""
+  probe = jax.make_jaxpr(fn, axis_env=[(n, 1) for n in names])(*args).jaxpr
+
+  def uses(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "all_to_all":
+        axes = eqn.params["axis_name"]
+        if set(axes if isinstance(axes, (tuple, list)) else (axes,)) & set(names):
+          return True
+      if any(uses(sub) for sub in _sub_jaxprs(eqn.params.values())):
+        return True
+    return False
+  return uses(probe)
+
+
+def _sub_jaxprs(values):
+  for v in values:
+    if isinstance(v, (tuple, list)):
+      yield from _sub_jaxprs(v)
+    elif hasattr(v, "eqns"):
+      yield v
+    elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+      yield v.jaxpr
 
 
 def trace(fn: Callable, args: Sequence[Any]):
@@ -256,7 +287,8 @@ def _trace(fn, args):
   names: list[str] = []
   while True:
     try:
-      return jax.make_jaxpr(bind_axis_names(fn, names), return_shape=True)(*args)
+      batched = bool(names) and _needs_batched(fn, names, args)
+      return jax.make_jaxpr(bind_axis_names(fn, names, batched), return_shape=True)(*args)
     except NameError as e:
       m = _UNBOUND.search(str(e))
       if m is None or m.group(1) in names or len(names) >= MAX_BOUND_NAMES:

@@ -78,11 +78,9 @@ class Program:
   _traced: Any = None
 
   def per_device(self):
-    """The ``shard_map`` of the per-device program, traced on first use (the
-    partition rules run then) as a ``ClosedJaxpr`` of the padded inputs; every
-    later jax trace (another input layout, ``lower()``) replays it. It is
-    traced inside a ``jax.jit``: a replay binds that one call (jax keeps the
-    traced body), not each of its equations again."""
+    """The per-device program's ``shard_map`` as a ``ClosedJaxpr`` of the padded
+    inputs, traced on first use (the partition rules run then) inside a
+    ``jax.jit``: a later trace (``lower()``) binds that one call, not each equation."""
     if self._traced is None:
       t0 = time.perf_counter()
       with _gc.paused():
@@ -425,7 +423,9 @@ class Partitioned:
       foreign = self._foreign(jax.tree_util.tree_flatten(args, is_leaf=is_padded)[0])
       placed = self._placed(args, p.program, sorted(set(p.need) | set(foreign)))
     except TypeError as e:        # jax's refusal of a non-array argument: gshard's
-      raise infer.non_array_error(self.fn, self.__name__, args, e) from None
+      if (bad := infer.non_array_error(self.fn, self.__name__, args, e)) is e:
+        raise
+      raise bad from None
     except ValueError:
       leaves, _ = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
       foreign = self._foreign(leaves)

@@ -49,15 +49,16 @@ def _key_float(dtype):
   return np.dtype(dtype) if np.dtype(dtype) in _OWN_KEY else np.dtype(jnp.float32)
 
 
-def ordered_key(x, nan_high: bool):
+def ordered_key(x, nan_high: bool, signed_nan: bool = False):
   """An integer whose order is ``x``'s float order, with NaN above every number
   (``nan_high``) or below it; bools and integers as they are.
 
   A float's bits ``b`` (read as a signed integer) keep their order for
   ``b >= 0`` and reverse it below: ``b ^ 0x7F..F`` puts the negatives back in
-  order. NaN takes the highest or lowest key (a -NaN the next one in), so
-  :func:`from_ordered_key` gives back a NaN of its sign, as one device's
-  max/min returns its operand's NaN.
+  order. NaN takes the highest or lowest key; ``signed_nan``: a -NaN the
+  next one in, so :func:`from_ordered_key` gives back a NaN of its sign, as
+  one device's max/min returns its operand's NaN (argmax/argmin need every
+  NaN equal: the first wins).
   """
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
@@ -67,7 +68,8 @@ def ordered_key(x, nan_high: bool):
   b = lax.bitcast_convert_type(f, itype)
   key = jnp.where(b >= 0, b, b ^ jnp.asarray(info.max, itype))
   nan, neg_nan = _nan_keys(itype, nan_high)
-  return jnp.where(jnp.isnan(f), jnp.where(b < 0, neg_nan, nan).astype(itype), key)
+  nan_key = (jnp.where(b < 0, neg_nan, nan) if signed_nan else jnp.asarray(nan)).astype(itype)
+  return jnp.where(jnp.isnan(f), nan_key, key)
 
 
 def _nan_keys(itype, nan_high: bool):
@@ -100,7 +102,7 @@ def _combine(x, op, axes, record):
     every = lax.all_gather(x, axes)
     record(every, "all_gather")
     return (jnp.max if op is lax.pmax else jnp.min)(every, axis=0)
-  key = ordered_key(x, nan_high=op is lax.pmax)
+  key = ordered_key(x, nan_high=op is lax.pmax, signed_nan=True)
   y = op(key, axes)
   record(y, None)
   return from_ordered_key(y, x.dtype, nan_high=op is lax.pmax)
