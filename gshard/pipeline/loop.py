@@ -299,12 +299,14 @@ class Ticks:
       on it too; 0 when none starts).
     t_out: ``[M]`` int32: the tick at which the last stage finishes each
       micro-batch's last chunk.
+    live: ``[T, K]`` bool: the stage runs a forward (False: a bubble).
   """
 
   take: np.ndarray
   chunk: np.ndarray
   m_in: np.ndarray
   t_out: np.ndarray
+  live: np.ndarray
 
   @property
   def num_ticks(self) -> int:
@@ -321,6 +323,7 @@ def forward_ticks(num_stages: int, num_microbatches: int, repeats: int) -> Ticks
   chunk = np.zeros((num_ticks, k), np.int32)
   m_in = np.zeros((num_ticks,), np.int32)
   t_out = np.full((m,), -1, np.int32)
+  live = np.zeros((num_ticks, k), bool)
   forwards = 0
   for t, row in enumerate(sched.table):
     for s, a in enumerate(row):
@@ -330,6 +333,7 @@ def forward_ticks(num_stages: int, num_microbatches: int, repeats: int) -> Ticks
         raise AssertionError(f"gshard internal error: gpipe's F at tick {t}, stage {s} is "
                              "outside the dense forward ticks.")
       forwards += 1
+      live[t, s] = True
       chunk[t, s] = a.chunk
       if s == 0 and a.chunk == 0:
         m_in[t] = a.microbatch
@@ -339,7 +343,7 @@ def forward_ticks(num_stages: int, num_microbatches: int, repeats: int) -> Ticks
         t_out[a.microbatch] = t
   if forwards != k * m * v or (t_out < 0).any():
     raise AssertionError("gshard internal error: the gpipe table does not have every forward.")
-  return Ticks(take, chunk, m_in, t_out)
+  return Ticks(take, chunk, m_in, t_out, live)
 
 
 # -- the pipeline ------------------------------------------------------------------
@@ -366,6 +370,33 @@ def _checkpointed(fn, remat, circular: bool):
   return jax.checkpoint(fn, prevent_cse=False, policy=policy)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gate(tree, on, dim: int):
+  """``tree`` unchanged; in the backward pass a stage's cotangents are kept
+  where ``on`` (``[K]``, placed at ``dim``) and zero elsewhere. A bubble or a
+  short stage's idle slot computes on a value it was never meant for (a raw
+  micro-batch, zero weights): its output is dropped, but its backward pass
+  multiplies that zero cotangent by a derivative that may be inf or NaN
+  (``sqrt`` of a negative, ``h / 0``), and 0 * NaN reached the gradients."""
+  del on, dim
+  return tree
+
+
+def _gate_fwd(tree, on, dim):
+  return tree, on
+
+
+def _gate_bwd(dim, on, ct):
+  def keep(g):
+    if not jnp.issubdtype(g.dtype, jnp.inexact):
+      return g
+    return jnp.where(mask(on, g, dim), g, jnp.zeros((), g.dtype))
+  return jax.tree.map(keep, ct), None
+
+
+_gate.defvjp(_gate_fwd, _gate_bwd)
+
+
 def _stage_fn(layer_fn, layout: Layout, k: int, axis: str, remat):
   """One tick of every stage: ``(weights, chunk [K], h [K, ...]) -> h``.
 
@@ -389,7 +420,8 @@ def _stage_fn(layer_fn, layout: Layout, k: int, axis: str, remat):
     def layer(h, xs):
       ws, on = xs
       w = ws[0] if v == 1 else jax.tree.map(functools.partial(pick, chunk), *ws)
-      y = vmapped(w, h)
+      # an idle slot's backward pass never reaches w or h (its identity does)
+      y = vmapped(w, h) if on is None else vmapped(_gate(w, on, 0), _gate(h, on, 0))
       if on is not None:   # a short stage's idle slot: identity
         y = jax.tree.map(lambda new, old: jnp.where(mask(on, old), new, old), y, h)
       return on_stages(y, axis), None
@@ -422,16 +454,18 @@ def _pipelined(layer_fn, stacked, x, layout: Layout, k: int, m: int, axis: str, 
   stage = _stage_fn(layer_fn, layout, k, axis, remat)
 
   def tick(prev, xs):
-    take, chunk, start = xs
+    take, chunk, start, live = xs
     sent = jax.tree.map(lambda a: shift(a, 0, 1, circular=v > 1), prev)
     h = jax.tree.map(lambda r, s: jnp.where(mask(take, s), r, s), on_stages(sent, axis),
                      start)
-    out = on_stages(stage(weights, chunk, on_stages(h, axis)), axis)
+    # a bubble's backward pass never reaches the weights or the input
+    out = stage(_gate(weights, live, 1), chunk, _gate(on_stages(h, axis), live, 0))
+    out = on_stages(out, axis)
     return out, out
 
   init = on_stages(jax.tree.map(lambda a: _initial_buffer((k,) + a.shape[1:], a.dtype),
                                  micro), axis)
-  _, outs = lax.scan(tick, init, (ticks.take, ticks.chunk, inputs))    # [T, K, B/M, ...]
+  _, outs = lax.scan(tick, init, (ticks.take, ticks.chunk, inputs, ticks.live))  # [T, K, ..]
 
   def finished(y):   # the last stage's output of each micro-batch: [M, B/M, ...]
     y = jnp.take(y, ticks.t_out, axis=0)                                 # [M, K, B/M, ...]
