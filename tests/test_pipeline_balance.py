@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import numpy as np
 import warnings
 from fractions import Fraction
 
@@ -271,3 +272,13 @@ def test_abstract_inputs_and_errors():
     layer_costs(lambda q, v: v, {}, jnp.ones(1))
   with pytest.raises(ValueError, match="with stacked=False, stacked_params must be a list"):
     layer_costs(lambda q, v: v, {"a": jnp.ones(1)}, jnp.ones(1), stacked=False)
+
+
+@pytest.mark.parametrize("as_array", [lambda c: np.asarray(c, np.float32),
+                                      lambda c: jnp.asarray(c, jnp.float32),
+                                      lambda c: np.asarray(c, np.int32)])
+def test_costs_as_numpy_or_jax_arrays(as_array):
+  """A float32 array of costs was 'costs[0] must be a finite number' (a NumPy
+  float32 is no Fraction); as a list it balanced."""
+  costs = [1.0, 1.0, 1.0, 3.0]
+  assert balance(as_array(costs), num_stages=2) == balance(costs, num_stages=2)

@@ -55,6 +55,8 @@ def _exact(name: str, values) -> list[int]:
                      f"{type(values).__name__} {values!r}.")
   fractions = []
   for i, x in enumerate(values):
+    if getattr(x, "shape", None) == () and hasattr(x, "item"):
+      x = x.item()        # a NumPy or jax scalar (np.float32 is no Fraction)
     try:
       f = Fraction(x) if not isinstance(x, bool) else None
     except (TypeError, ValueError, OverflowError):
