@@ -291,3 +291,30 @@ def test_an_offloading_remat_policy_saves_on_the_device_with_a_warning(kw):
   with pytest.warns(UserWarning, match="saved on the device instead"):
     got = step(stacked, lp, x, t)
   check(megatron_layer, layers, lp, x, t, got, layout, f"offload {kw}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+def test_an_int_leaf_in_loss_params(schedule):
+  """loss_params with an int leaf (a class-count scale): the head's vjp was
+  taken over every leaf, and the int leaf's float0 cotangent met the
+  accumulator (jax's 'float0 is not a valid dtype for type promotion')."""
+  from gshard import pipeline
+  stacked = pipeline.stack([{"w": jnp.eye(4) * (i + 1) / 4} for i in range(4)])
+  x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+  lp = {"w": jnp.ones((4, 3)) / 3, "n": jnp.int32(2)}
+  t = jnp.linspace(0, 1, 24).reshape(8, 3)
+
+  def head(lp, y, t):
+    return jnp.mean((y @ lp["w"] * lp["n"] - t) ** 2)
+
+  def loss(s, x, lp, t):
+    return pipeline.run(lambda p, h: jnp.tanh(h @ p["w"]), s, x, num_microbatches=4,
+                        schedule=schedule, loss_fn=head, loss_params=lp, targets=t)
+
+  m = gshard.make_mesh((2, 4), ("data", "stage"))
+  g = lambda s, x, lp, t: jax.value_and_grad(loss)(s, x, lp, t)
+  dw = lambda s, x, lp, t: jax.grad(lambda w: loss(s, x, {"w": w, "n": lp["n"]}, t))(lp["w"])
+  want = (jax.jit(g)(stacked, x, lp, t), jax.jit(dw)(stacked, x, lp, t))
+  got = (gshard.partition(g, m)(stacked, x, lp, t), gshard.partition(dw, m)(stacked, x, lp, t))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

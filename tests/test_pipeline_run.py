@@ -380,3 +380,22 @@ def test_bubbles_and_idle_slots_never_reach_the_gradient(stages, m, remat):
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert np.isfinite(np.asarray(g)).all()
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_a_function_traced_before_is_traced_again_for_the_mesh():
+  """jax keys its traces by the function, not by gshard's mesh context, which
+  pipeline.run reads: after jax.jit(f), partition(f) over a stage mesh ran the
+  plain loop; after partition(f) over a stage mesh, partition(f) over a mesh
+  without 'stage' raised "mesh axis 'stage' is not in the mesh"."""
+  stacked = pipeline.stack([{"w": jnp.eye(4) * (i + 1) / 4} for i in range(4)])
+  x = jnp.linspace(0.1, 1, 32).reshape(8, 4)
+
+  def f(s, x):
+    return jnp.sum(pipeline.run(lambda p, h: jnp.tanh(h @ p["w"]), s, x, num_microbatches=4))
+
+  want = float(jax.jit(f)(stacked, x))
+  low = gshard.partition(f, mesh((2, 4), ("data", "stage"))).lower(stacked, x)
+  assert "ppermute" in {c.kind for c in low.collectives()}
+  other = gshard.partition(f, mesh((2, 4), ("data", "model")))(stacked, x)
+  np.testing.assert_allclose([float(low.compile()(stacked, x)), float(other)], [want, want],
+                             rtol=1e-6)

@@ -209,7 +209,7 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
       "wgrad": [jax.tree.map(lambda a: jnp.zeros(a.shape, acc_dtype(a)), w) for w in weights],
       "sgrad": stage._zero_shared(k),
       "loss": jnp.zeros((k,), jnp.float32),
-      "lgrad": jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, acc_dtype(a)), lp_aval),
+      "lgrad": [jnp.zeros((k,) + a.shape, acc_dtype(a)) for a in _float_leaves(lp_aval)],
       "dx": on_stages(jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, acc_dtype(a)), micro_x),
                       axis),
       "dt": on_stages(jax.tree.map(lambda a: jnp.zeros((k,) + a.shape, acc_dtype(a)),
@@ -259,14 +259,15 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
 
   def loss_head(y, t_t):
     diff_t, rebuild_t = _split_float(t_t)
+    diff_lp, rebuild_lp = _split_float(lp)       # an int leaf has no gradient
 
-    def one(lp, yk, tk_diff):
-      def f(lp, yk, tk_diff):
-        return head(lp, yk, rebuild_t(tk_diff))
-      loss, vjp = jax.vjp(f, lp, yk, tk_diff)
+    def one(lp_diff, yk, tk_diff):
+      def f(lp_diff, yk, tk_diff):
+        return head(rebuild_lp(lp_diff), yk, rebuild_t(tk_diff))
+      loss, vjp = jax.vjp(f, lp_diff, yk, tk_diff)
       return (loss,) + vjp(jnp.asarray(1.0 / m, loss.dtype))
     loss, dlp, dy, dt = jax.vmap(one, in_axes=(None, 0, None), spmd_axis_name=axis)(
-        lp, y, diff_t)
+        diff_lp, y, diff_t)
     return loss.astype(jnp.float32), dlp, on_stages(dy, axis), dt
 
   def compute_b(grad, stash, xt):
@@ -452,7 +453,7 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
       from_stage_major([jax.tree.leaves(st["wgrad"][c])[i] for c in range(v)], layout, axis)
       .astype(leaves[i].dtype) for i in range(len(leaves))])
   dx = jax.tree.map(lambda acc, a: merged(jnp.sum(acc, 0)).astype(a.dtype), st["dx"], x)
-  d_lp = jax.tree.map(lambda acc, a: jnp.sum(acc, 0).astype(a.dtype), st["lgrad"], lp_aval)
+  d_lp = _targets_grad(lp_aval, [jnp.sum(acc, 0) for acc in st["lgrad"]])
   d_shared = jax.tree.map(lambda acc, a: jnp.sum(acc, 0).astype(jnp.result_type(a)),
                           st["sgrad"], shared)
   d_t = _targets_grad(targets, jax.tree.map(lambda acc: merged(jnp.sum(acc, 0)), st["dt"]))
@@ -477,7 +478,8 @@ def _split_float(tree):
 
 
 def _targets_grad(targets, float_grads):
-  """The targets' cotangent: the computed one for float leaves, float0 zeros else."""
+  """The cotangent of ``targets`` (or the loss parameters): the computed one
+  for float leaves, float0 zeros else."""
   leaves, struct = jax.tree.flatten(targets)
   grads = iter(float_grads)
   out = [next(grads).astype(jnp.result_type(a)) if _inexact(a) else

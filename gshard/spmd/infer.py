@@ -207,6 +207,15 @@ def _bind_axis(fn, name, batched: bool):
   return bound
 
 
+def _fresh(fn):
+  """``fn`` under a new identity: jax keys its traces by the function, not by
+  gshard's mesh context, which ``pipeline.run`` and the annotations read while
+  tracing (a ``jax.jit(f)`` first made ``partition(f)`` run the plain loop)."""
+  def fresh(*args):
+    return fn(*args)
+  return fresh
+
+
 def _needs_batched(fn, names, args) -> bool:
   """Whether ``fn`` runs an ``all_to_all`` over a bound name: jax's batching
   rule mis-shapes its unbatched operand (``(8, 4)`` came out ``(8, 4, 1, 8,
@@ -288,7 +297,8 @@ def _trace(fn, args):
   while True:
     try:
       batched = bool(names) and _needs_batched(fn, names, args)
-      return jax.make_jaxpr(bind_axis_names(fn, names, batched), return_shape=True)(*args)
+      return jax.make_jaxpr(_fresh(bind_axis_names(fn, names, batched)),
+                            return_shape=True)(*args)
     except NameError as e:
       m = _UNBOUND.search(str(e))
       if m is None or m.group(1) in names or len(names) >= MAX_BOUND_NAMES:
