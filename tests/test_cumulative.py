@@ -271,3 +271,17 @@ def test_arg_max_of_signed_zeros_over_a_split_dim_is_the_first(fn):
   x = jnp.asarray([[-1.0, -0.0, -2.0, 0.0], [1.0, 0.0, 2.0, -0.0]], jnp.float32)
   got, want = _run((2, 4), ("x", "y"), P(None, "x"), lambda v: fn(v, axis=1), x)
   _same_bits(got, want, fn.__name__)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("op", [lax.cumsum, lax.cumprod, lax.cummax, lax.cummin])
+@pytest.mark.parametrize("shape,axis,spec,mesh_shape", [
+    ((0, 4), 0, P("x"), (8,)), ((6, 0), 1, P(None, "x"), (8,)),
+    ((0, 6), 0, P(("x", "y")), (2, 4))])
+def test_a_scan_along_an_empty_split_dim(op, reverse, shape, axis, spec, mesh_shape):
+  """Each block's total was read as its last row, of none: an IndexError."""
+  names = ("x", "y")[:len(mesh_shape)]
+  fn = lambda a: op(a, axis=axis, reverse=reverse)
+  x = np.zeros(shape, np.float32)
+  got = gshard.partition(fn, gshard.make_mesh(mesh_shape, names), in_specs=(spec,))(x)
+  assert got.shape == shape and got.dtype == np.float32

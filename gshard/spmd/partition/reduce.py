@@ -244,7 +244,7 @@ def cumulative_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   dim, reverse = eqn.params["axis"], eqn.params["reverse"]
   (f,) = plan.rule.operands[0][dim]
   axes = plan.choice.get(f, ())
-  if not axes:
+  if not axes or ins[0].shape[dim] == 0:    # an empty dim: nothing to carry between blocks
     return bind_local(ctx, eqn, plan, ins)
   op, reduction = _SCAN[eqn.primitive.name]
   size, n = ins[0].shape[dim], ctx.num_shards(axes)
