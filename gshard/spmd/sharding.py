@@ -190,18 +190,18 @@ def _axes_entry(axes: Axes):
   return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def check_spec_entries(spec: P, where: str) -> None:
+def check_spec_entries(spec: P, where: str, entries: bool = True) -> None:
   """Errors for what gshard cannot read as a layout: jax's ``unreduced`` /
   ``reduced`` sets (explicit-sharding partial sums; gshard keeps pending sums
-  itself) and entries that are not axis names. ``where`` starts the message
-  (the argument, the shape, the mesh)."""
+  itself) and (``entries``) entries that are not axis names. ``where``
+  starts the message (the argument, the shape, the mesh)."""
   extra = sorted(set(getattr(spec, "unreduced", ())) | set(getattr(spec, "reduced", ())))
   if extra:
     raise ValueError(
         f"{where}: the spec marks mesh axes {extra} unreduced/reduced, jax's partial "
         "sums for Explicit axes; gshard takes a layout only and keeps pending sums "
         f"itself. Give P{tuple(spec._partitions)!r} (without unreduced= / reduced=).")
-  for e in spec._partitions:
+  for e in spec._partitions if entries else ():
     names = e if isinstance(e, tuple) else (e,)
     if e is not _UNCONSTRAINED and not all(n is None or isinstance(n, str) for n in names):
       raise TypeError(
