@@ -453,10 +453,10 @@ def _execute(layer, head, cfg: Config, stacked, x, lp, targets, shared, one_laye
       from_stage_major([jax.tree.leaves(st["wgrad"][c])[i] for c in range(v)], layout, axis)
       .astype(leaves[i].dtype) for i in range(len(leaves))])
   dx = jax.tree.map(lambda acc, a: merged(jnp.sum(acc, 0)).astype(a.dtype), st["dx"], x)
-  d_lp = _targets_grad(lp_aval, [jnp.sum(acc, 0) for acc in st["lgrad"]])
+  d_lp = _float_cotangent(lp_aval, [jnp.sum(acc, 0) for acc in st["lgrad"]])
   d_shared = jax.tree.map(lambda acc, a: jnp.sum(acc, 0).astype(jnp.result_type(a)),
                           st["sgrad"], shared)
-  d_t = _targets_grad(targets, jax.tree.map(lambda acc: merged(jnp.sum(acc, 0)), st["dt"]))
+  d_t = _float_cotangent(targets, jax.tree.map(lambda acc: merged(jnp.sum(acc, 0)), st["dt"]))
   return loss.astype(jnp.float32), (d_stacked, dx, d_lp, d_t, d_shared)
 
 
@@ -477,7 +477,7 @@ def _split_float(tree):
   return [leaves[i] for i in where], rebuild
 
 
-def _targets_grad(targets, float_grads):
+def _float_cotangent(targets, float_grads):
   """The cotangent of ``targets`` (or the loss parameters): the computed one
   for float leaves, float0 zeros else."""
   leaves, struct = jax.tree.flatten(targets)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from gshard.annotate import mesh_context
 from gshard.spmd.partition.padded import logical_args, logical_struct
 from gshard.spmd.printing import format_jaxpr
-from gshard.spmd.graph import Graph, source_of
+from gshard.spmd.graph import Graph, source_of, sub_jaxprs
 from gshard.spmd.propagate import Conflict, conflicts, propagate
 from gshard.spmd.sharding import (TensorSharding, caller_mesh_scope, check_spec_entries,
                                   mesh_scope, mesh_sizes_of, mesh_str, open_dims_of_spec)
@@ -222,7 +222,7 @@ def _needs_batched(fn, names, args) -> bool:
   4)``), so its arguments enter batched. Not otherwise: batched, an index
   taken from an argument becomes a gather, and a callback cannot be vmapped.
   Found on the program traced with the names bound as collectives."""
-  probe = jax.make_jaxpr(fn, axis_env=[(n, 1) for n in names])(*args).jaxpr
+  probe = jax.make_jaxpr(_fresh(fn), axis_env=[(n, 1) for n in names])(*args).jaxpr
 
   def uses(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
@@ -230,20 +230,10 @@ def _needs_batched(fn, names, args) -> bool:
         axes = eqn.params["axis_name"]
         if set(axes if isinstance(axes, (tuple, list)) else (axes,)) & set(names):
           return True
-      if any(uses(sub) for sub in _sub_jaxprs(eqn.params.values())):
+      if any(uses(sub) for _, sub in sub_jaxprs(eqn.params)):
         return True
     return False
   return uses(probe)
-
-
-def _sub_jaxprs(values):
-  for v in values:
-    if isinstance(v, (tuple, list)):
-      yield from _sub_jaxprs(v)
-    elif hasattr(v, "eqns"):
-      yield v
-    elif hasattr(getattr(v, "jaxpr", None), "eqns"):
-      yield v.jaxpr
 
 
 def trace(fn: Callable, args: Sequence[Any]):
@@ -253,8 +243,9 @@ def trace(fn: Callable, args: Sequence[Any]):
   Arguments committed to a mesh with Explicit axes are traced as given, as
   ``jax.jit`` traces them (a ``jax.shard_map`` over that mesh checks their
   layouts, and under ``jax.set_mesh`` of it the context: traced again under
-  the caller's mesh when it refuses gshard's); where jax's sharding-in-types rules refuse the code under those
-  layouts, as the one-device program (their shapes and dtypes): gshard
+  the caller's mesh when it refuses gshard's); where jax's sharding-in-types
+  rules refuse the code under those layouts, as the one-device program
+  (their shapes and dtypes): gshard
   chooses every layout itself. If that fails too, the first error is raised,
   as ``jax.jit`` raises it."""
   try:
