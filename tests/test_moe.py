@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import gshard
@@ -116,6 +118,63 @@ def test_one_layer_train_step_has_four_all_to_alls_of_analytic_size(groups, expe
   # XLA may split or fuse them; the volume is the same
   local = experts * (groups // 8) * capacity * M_ * 4
   assert sum(c.nbytes for c in hlo_a2a) == 4 * local
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.sampled_from([2, 4, 8]), groups_per=st.sampled_from([1, 2]),
+       experts_per=st.sampled_from([1, 2]), group_size=st.sampled_from([8, 16]),
+       capacity_factor=st.sampled_from([0.5, 1.0, 2.0, 4.0]))
+def test_four_all_to_alls_whatever_the_sizes(n, groups_per, experts_per, group_size,
+                                             capacity_factor):
+  # The paper's annotations, any sizes: four all-to-alls of the analytic size,
+  # nothing gathered. Where E*C equals the tokens per device (4 experts on 4
+  # devices at capacity factor 2, say) the combine's gradient once came out
+  # split on experts, then moved to groups (a fifth all-to-all, plus an
+  # all-gather of the tokens' cotangent): computing it on groups, from the
+  # expert output's copy the forward combine made, sends the same bytes at
+  # that equation, and is what the gating's backward reads.
+  groups, experts = n * groups_per, n * experts_per
+  params, x, key = _inputs(groups, group_size, experts)
+  step = gshard.partition(_layer_step(capacity_factor=capacity_factor),
+                          mesh((n,), ("expert",)), in_specs=(moe_specs(), P("expert"), P()))
+  lowered = step.lower(params, x, key)
+  cols = lowered.collectives()
+  capacity = expert_capacity(group_size, experts, capacity_factor=capacity_factor)
+  want = _analytic_all_to_all_bytes(experts, groups, capacity, n)
+  assert [c.bytes for c in cols if c.kind == "all_to_all"] == [want] * 4, lowered.explain()
+  assert {c.kind for c in cols} <= {"all_to_all", "psum"}, lowered.explain()
+
+
+def test_scanned_layers_four_all_to_alls_each():
+  # Stacked MoE layers under lax.scan: the backward loop reads the expert
+  # output as a residual, and once resharded it again every step (five
+  # all-to-alls a layer). The residual is now stacked as the forward combine
+  # already holds it: four, as unrolled; values unchanged.
+  n, layers, group_size = 4, 3, 16
+  keys = jax.random.split(jax.random.PRNGKey(0), layers)
+  params = jax.tree.map(lambda *a: jnp.stack(a), *[moe_init(k, M_, H_, n) for k in keys])
+  x = jax.random.normal(jax.random.PRNGKey(1), (n, group_size, M_))
+
+  def loss(params, x, key):
+    def layer(h, p):
+      y, aux, _ = moe_apply(p, h, key=key, capacity_factor=1.0)
+      return h + y, aux
+    h, aux = jax.lax.scan(layer, x, params)
+    return jnp.sum(h ** 2) + 0.1 * jnp.sum(aux)
+
+  step = jax.value_and_grad(loss, argnums=(0, 1))
+  specs = ({k: P(None, *s) for k, s in moe_specs().items()}, P("expert"), P())
+  part = gshard.partition(step, mesh((n,), ("expert",)), in_specs=specs)
+  key = jax.random.PRNGKey(2)
+  lowered = part.lower(params, x, key)
+  capacity = expert_capacity(group_size, n, capacity_factor=1.0)
+  want = layers * _analytic_all_to_all_bytes(n, n, capacity, n)
+  a2a = [c for c in lowered.collectives() if c.kind == "all_to_all"]
+  assert [c.bytes for c in a2a] == [want] * 4, lowered.explain()
+  assert not [c for c in lowered.collectives() if c.kind == "all_gather"], lowered.explain()
+  # the sums run over a layer's G * S * M squares (its routing is exact)
+  assert_close_to_f64(part(params, x, key), jax.jit(step)(params, x, key),
+                      f64_run(jax.jit(step), params, x, key), n=x.size)
 
 
 @pytest.mark.parametrize("shape", [(4, 2), (2, 4)])

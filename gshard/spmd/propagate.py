@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from gshard.spmd import factors
 from gshard.spmd.graph import Bound, Graph, Tensor, source_of
 from gshard.spmd.partials import settle, sum_before_scatter
+from gshard.spmd.stacked import stack_as_read
 from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, short_dtype
 
 MAX_SWEEPS = 200
@@ -154,8 +155,9 @@ def propagate(graph: Graph) -> int:
   """Sweep forward and backward to a fixed point; returns the sweeps made
   (:func:`conflicts` reads the disagreements from the graph after).
 
-  Two phases, each to its fixed point: first, a mesh axis two factors of one
-  constraint want with equal support goes to neither (other constraints,
+  Two phases, each to its fixed point: first, a mesh axis two unpinned
+  factors of one constraint want, at the same bytes either way, goes to
+  neither (other constraints,
   later in the program, decide it: a weight gradient takes the layout its
   optimizer update needs); then every tie is settled (the earlier factor).
   A phase's first sweep runs forward over every constraint; later sweeps
@@ -217,4 +219,5 @@ def propagate(graph: Graph) -> int:
     t.sharding = t.sharding.with_partial(axes)
   for t, sharding in sum_before_scatter(graph).items():
     t.sharding = sharding
+  stack_as_read(graph)
   return sweeps

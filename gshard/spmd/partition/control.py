@@ -56,6 +56,19 @@ def _fit(ctx: Context, v: Value, s: TensorSharding, eqn, role: str) -> Value:
   return seed(ctx.reshard(v, s, eqn, role), s)
 
 
+def _y_layout(ctx: Context, scope, sub, inner, outer) -> TensorSharding:
+  """How a ys value is stacked: as the stacked result is laid out (which
+  ``stacked.stack_as_read`` may have set to the layout the loop reading it
+  uses), else as the body made it."""
+  if not hasattr(inner, "aval"):                   # a literal
+    return TensorSharding.replicated(len(outer.aval.shape) - 1)
+  made = ctx.target(sub, inner)
+  t = ctx.graph.tensors.get((scope, outer))
+  if t is None or t.sharding.dims[0] or t.sharding.partial != made.partial:
+    return made
+  return TensorSharding(t.sharding.dims[1:], made.partial)
+
+
 def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``scan``: one ``lax.scan`` over the partitioned body; carries keep the body's
   propagated sharding; ``xs``/``ys`` are split like the per-step values."""
@@ -75,9 +88,7 @@ def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   xs = [ctx.reshard(v, _stacked(s), eqn, f"xs {k}")
         for k, (v, s) in enumerate(zip(ins[nc + nk:], x_s))]
   # ys may be pending: stacked, their sum is resolved once, after the loop
-  y_s = [ctx.target(sub, v) if hasattr(v, "aval") else None for v in outvars[nk:]]
-  y_s = [s if s is not None else TensorSharding.replicated(len(a.aval.shape) - 1)
-         for s, a in zip(y_s, eqn.outvars[nk:])]
+  y_s = [_y_layout(ctx, scope, sub, v, o) for v, o in zip(outvars[nk:], eqn.outvars[nk:])]
 
   def body(carry, x):
     args = consts + [Value(c, s, v.shape, v.dtype) for c, s, v in zip(carry, carry_s, init)]
@@ -274,3 +285,4 @@ def shard_map_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   outs = _run_manual(p["jaxpr"], (), [v.x for v in vals])
   return [Value(x, TensorSharding.from_spec(s, len(v.aval.shape)), tuple(v.aval.shape),
                 v.aval.dtype) for x, s, v in zip(outs, p["out_specs"], eqn.outvars)]
+
