@@ -318,3 +318,54 @@ def test_an_int_leaf_in_loss_params(schedule):
   got = (gshard.partition(g, m)(stacked, x, lp, t), gshard.partition(dw, m)(stacked, x, lp, t))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_derivatives_beyond_reverse_mode_are_gshards_error_or_equal():
+  """With loss_fn the schedule computes the gradients itself, as a
+  custom_vjp: jax.jvp / jacfwd of it failed with jax's internals ('can't
+  apply forward-mode autodiff', raised while compiling), and a second
+  derivative through a per-stage switch with "Differentiation rule for
+  'stage_switch' not implemented". Each is now gshard's error naming what
+  works; GPipe's second derivatives (its loop is differentiated by jax)
+  equal the plain loop's."""
+  stacked = pipeline.stack([{"w": jnp.eye(4) * (i + 1) / 4} for i in range(4)])
+  x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+  t = jnp.linspace(0, 1, 32).reshape(8, 4)
+  m = mesh((2, 4), ("data", "stage"))
+
+  def loss(schedule):
+    def f(s, x, scale):
+      return pipeline.run(lambda p, h: jnp.tanh(h @ p["w"]), s, x, num_microbatches=4,
+                          schedule=schedule, targets=t, loss_params=scale,
+                          loss_fn=lambda lp, y, t: jnp.mean((y * lp - t) ** 2))
+    return f
+
+  ones = jnp.ones_like(x)
+  for schedule in ("gpipe", "1f1b", "zero_bubble"):
+    f = loss(schedule)
+    jvp = lambda s, x, c, f=f: jax.jvp(lambda x: f(s, x, c), (x,), (ones,))
+    fwd = lambda s, x, c, f=f: jax.jacfwd(f, argnums=2)(s, x, c)
+    for g in (jvp, fwd):
+      with pytest.raises(TypeError, match=rf"schedule='{schedule}'\) on a mesh .* reverse "
+                         r"mode .* only.*without loss_fn"):
+        gshard.partition(g, m)(stacked, x, jnp.float32(1.5))
+  second = lambda s, x, c, f: jax.grad(lambda c: jax.grad(f, argnums=2)(s, x, c))(c)
+  with pytest.raises(NotImplementedError, match="first derivatives only.*schedule='gpipe'"):
+    gshard.partition(lambda s, x, c: second(s, x, c, loss("1f1b")), m)(
+        stacked, x, jnp.float32(1.5))
+  f = lambda s, x, c: second(s, x, c, loss("gpipe"))
+  np.testing.assert_allclose(gshard.partition(f, m)(stacked, x, jnp.float32(1.5)),
+                             jax.jit(f)(stacked, x, jnp.float32(1.5)), rtol=1e-5)
+
+
+def test_jvp_of_a_users_custom_vjp_is_gshards_error():
+  """jax.jvp of a user's custom_vjp function stages an equation nothing
+  lowers; jax raised while compiling, from its own frames."""
+  @jax.custom_vjp
+  def f(x):
+    return jnp.sin(x)
+  f.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+  g = lambda x: jax.jvp(f, (x,), (jnp.ones_like(x),))
+  with pytest.raises(TypeError, match=r"forward-mode .* jax.custom_vjp function at .*"
+                     r"test_pipeline_executor.py.*jax.custom_jvp"):
+    gshard.partition(g, mesh((8,), ("x",)), in_specs=P("x"))(jnp.ones(8))

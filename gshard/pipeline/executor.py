@@ -146,7 +146,21 @@ def run_schedule(layer_fn: Callable, loss_fn: Callable, stacked, x, loss_params,
     return jax.tree.map(scale, grads)
 
   pipelined.defvjp(fwd, bwd)
-  return pipelined(stacked, x, (loss_params, loss_consts), targets, shared)
+  message = (
+      f"pipeline.run(loss_fn=..., schedule={cfg.schedule.name!r}) on a mesh computes its "
+      "gradients with the schedule, as a jax.custom_vjp: reverse mode (jax.grad, "
+      "value_and_grad, vjp, jacrev) only. Forward mode (jax.jvp, jacfwd, jax.hessian) "
+      "cannot go through it. Use reverse mode, or call pipeline.run without loss_fn "
+      "(GPipe; jax differentiates its loop in either mode) and apply the loss to its output.")
+  # jax.jvp stages the custom_vjp's tangent as an equation nothing lowers;
+  # gshard's partitioner raises this message there (partition.control)
+  bwd.gshard_jvp_error = message
+  try:
+    return pipelined(stacked, x, (loss_params, loss_consts), targets, shared)
+  except TypeError as e:        # jacfwd: jax refuses while tracing
+    if "forward-mode" not in str(e):
+      raise
+    raise TypeError(message) from e
 
 
 # -- the executor ----------------------------------------------------------------------

@@ -370,31 +370,29 @@ def _checkpointed(fn, remat, circular: bool):
   return jax.checkpoint(fn, prevent_cse=False, policy=policy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _gate(tree, on, dim: int):
-  """``tree`` unchanged; in the backward pass a stage's cotangents are kept
-  where ``on`` (``[K]``, placed at ``dim``) and zero elsewhere. A bubble or a
-  short stage's idle slot computes on a value it was never meant for (a raw
-  micro-batch, zero weights): its output is dropped, but its backward pass
-  multiplies that zero cotangent by a derivative that may be inf or NaN
-  (``sqrt`` of a negative, ``h / 0``), and 0 * NaN reached the gradients."""
+  """``tree`` unchanged; its tangents (and so, transposed, a stage's
+  cotangents in the backward pass) are kept where ``on`` (``[K]``, placed at
+  ``dim``) and zero elsewhere. A bubble or a short stage's idle slot computes
+  on a value it was never meant for (a raw micro-batch, zero weights): its
+  output is dropped, but its backward pass multiplies that zero cotangent by
+  a derivative that may be inf or NaN (``sqrt`` of a negative, ``h / 0``),
+  and 0 * NaN reached the gradients. A JVP rule (not a VJP) keeps forward
+  mode (``jax.jvp``, ``jacfwd``) working through the loop; its select
+  transposes to the select that cuts the cotangents."""
   del on, dim
   return tree
 
 
-def _gate_fwd(tree, on, dim):
-  return tree, on
-
-
-def _gate_bwd(dim, on, ct):
-  def keep(g):
-    if not jnp.issubdtype(g.dtype, jnp.inexact):
-      return g
-    return jnp.where(mask(on, g, dim), g, jnp.zeros((), g.dtype))
-  return jax.tree.map(keep, ct), None
-
-
-_gate.defvjp(_gate_fwd, _gate_bwd)
+@_gate.defjvp
+def _gate_jvp(dim, primals, tangents):
+  tree, on = primals
+  def keep(t):
+    if not jnp.issubdtype(t.dtype, jnp.inexact):
+      return t
+    return jnp.where(mask(on, t, dim), t, jnp.zeros((), t.dtype))
+  return _gate(tree, on, dim), jax.tree.map(keep, tangents[0])
 
 
 def _stage_fn(layer_fn, layout: Layout, k: int, axis: str, remat):

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Primitive, Var, jaxpr_as_fun
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from gshard.spmd.partition.pipeline import select_rows
 
@@ -96,6 +96,19 @@ def _batch(args, dims, *, branches, kdims):
   return out, [0] * len(out)
 
 
+def _no_jvp(primals, tangents, **params):
+  """Differentiating the schedule itself: a second derivative through
+  ``pipeline.run(loss_fn=...)`` (its gradients are computed with the loss)."""
+  del primals, tangents, params
+  raise NotImplementedError(
+      "pipeline.run(loss_fn=...) on a mesh, with a schedule whose stages run different "
+      "actions in one tick (1f1b, interleaved, zero_bubble or your own table), gives first "
+      "derivatives only (jax.grad, value_and_grad, vjp, jacrev of the loss): the schedule "
+      "computes them in its forward pass, and differentiating it again (grad of grad, "
+      "jvp of grad, a Hessian) is not supported. For second derivatives use "
+      "schedule='gpipe', whose loop jax differentiates to any order.")
+
+
 def _make_primitive() -> Primitive:
   p = Primitive("stage_switch")
   p.multiple_results = True
@@ -103,6 +116,7 @@ def _make_primitive() -> Primitive:
   p.def_abstract_eval(_abstract_eval)
   mlir.register_lowering(p, mlir.lower_fun(_reference, multiple_results=True))
   batching.primitive_batchers[p] = _batch
+  ad.primitive_jvps[p] = _no_jvp
   return p
 
 

@@ -286,3 +286,18 @@ def shard_map_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   return [Value(x, TensorSharding.from_spec(s, len(v.aval.shape)), tuple(v.aval.shape),
                 v.aval.dtype) for x, s, v in zip(outs, p["out_specs"], eqn.outvars)]
 
+
+def custom_lin_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``jax.jvp`` of a ``jax.custom_vjp`` function stages its tangent as a
+  ``custom_lin`` equation that only a transpose removes: nothing lowers it
+  (jax raises at compile time). gshard's error, at the user's line, or the
+  one the function's library attached (``bwd.gshard_jvp_error``)."""
+  del ins, scope, idx
+  bwd = getattr(eqn.params.get("bwd"), "f", None)
+  message = getattr(bwd, "gshard_jvp_error", None)
+  raise TypeError(message or (
+      f"forward-mode differentiation (jax.jvp, jacfwd, jax.hessian) reached a "
+      f"jax.custom_vjp function at {ctx.source(eqn)}: a custom_vjp has a reverse-mode "
+      "rule only (jax: can't apply forward-mode autodiff (jvp) to a custom_vjp function). "
+      "Use reverse mode (jax.grad, jax.vjp, jax.jacrev), or define the function's "
+      "derivative with jax.custom_jvp."))

@@ -202,3 +202,14 @@ def platform_index_rule(in_avals, out_avals, **params) -> FactorRule:
 
 register("platform_index", platform_index_rule)
 register("custom_linear_solve", linear_solve_rule, partition=partition.linear_solve_rule)
+
+
+def custom_lin_rule(in_avals, outs, /, **params) -> OpRule:
+  """``custom_lin`` (``jax.jvp`` of a ``custom_vjp``): no constraint; its
+  partition rule raises gshard's error (nothing can lower it). Its params
+  hold an ``out_avals`` of their own: the avals are positional only."""
+  del in_avals, outs, params
+  return OpRule(())
+
+
+register("custom_lin", custom_lin_rule, partition=partition.custom_lin_rule)
