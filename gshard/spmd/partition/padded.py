@@ -9,7 +9,9 @@ way and takes it back without moving it.
 
 It is a pytree node with one child, the padded ``jax.Array`` (``.data``), and
 the logical shape as its static part, so ``jax.tree`` functions, ``jax.jit``
-and checkpointing libraries see the padded array. The padding holds zeros as
+and checkpointing libraries see the padded array. Under ``jax.vmap`` the
+batch dims are in front (``out_axes=0``; another ``out_axes`` is an error
+where the shapes show it: ``gshard.unpad`` the value inside instead). The padding holds zeros as
 created, and whatever the program left there after a step: read values
 through :meth:`PaddedArray.logical` / :func:`unpad`, never ``.data`` directly.
 """
@@ -99,7 +101,20 @@ class PaddedArray:
 
   @classmethod
   def tree_unflatten(cls, shape, children):
-    return cls(children[0], shape)
+    data = children[0]
+    rank = len(data.shape) if isinstance(getattr(data, "shape", None), tuple) else None
+    if rank is not None and rank != len(shape):
+      # jax.vmap added batch dims in front (out_axes=0) or took them off
+      # (in_axes=0): the padding is in the trailing dims, as before
+      shape = (tuple(data.shape[:rank - len(shape)]) + shape if rank > len(shape)
+               else shape[len(shape) - rank:])
+      if any(n > h for n, h in zip(shape, data.shape)):
+        raise ValueError(
+            f"A gshard.PaddedArray of logical shape {shape} is held as {tuple(data.shape)}: "
+            "jax.vmap put its batch dim elsewhere than in front (out_axes other than 0). "
+            "Use out_axes=0 for it, or return gshard.unpad(value) from the vmapped "
+            "function.")
+    return cls(data, shape)
 
 
 def is_padded(x) -> bool:
