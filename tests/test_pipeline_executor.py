@@ -369,3 +369,11 @@ def test_jvp_of_a_users_custom_vjp_is_gshards_error():
   with pytest.raises(TypeError, match=r"forward-mode .* jax.custom_vjp function at .*"
                      r"test_pipeline_executor.py.*jax.custom_jvp"):
     gshard.partition(g, mesh((8,), ("x",)), in_specs=P("x"))(jnp.ones(8))
+  # a tangent nothing reads (jax.jit drops it): runs, at the top and in a jit
+  def dead(x):
+    (a, b), (da, _) = jax.jvp(lambda x: (jnp.sin(x), f(x)), (x,), (jnp.ones_like(x),))
+    return a + b, da
+  x = jnp.arange(8.0) - 4
+  for h in (dead, jax.jit(dead)):
+    got = gshard.partition(h, mesh((8,), ("x",)), in_specs=P("x"))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(dead)(x)), rtol=1e-6)

@@ -103,3 +103,22 @@ def test_stack_as_read_moves_the_residual(monkeypatch):
   step_bytes = 8 * 8 * 4 // 4 * 3 // 4          # (n-1)/n of a local [8, 2] block
   assert [c.bytes for c in a2a["on"]] == [3 * step_bytes] * 4, on.explain()
   assert [c.bytes for c in a2a["off"]] == [3 * step_bytes] * 5, off.explain()
+
+
+def test_a_pinned_stacked_result_is_stacked_as_made():
+  """Only a stacked value the pass moved is stacked in its own layout: one
+  out_specs pins in another layout is stacked as the body made it and moved
+  once after the loop, not resharded a step at a time inside it (found by a
+  second reader)."""
+  def f(xs):
+    def body(c, xi):
+      return c, gshard.shard(jnp.sin(xi), P("x", None))
+    _, ys = jax.lax.scan(body, 0.0, xs)
+    return ys, gshard.shard(ys * 2.0, P(None, "x", None))
+
+  xs = np.random.default_rng(0).standard_normal((3, 8, 8)).astype(np.float32)
+  part = gshard.partition(f, mesh((4,), ("x",)), in_specs=P(),
+                          out_specs=(P(None, None, "x"), P(None, "x", None)))
+  assert_trees_close(gshard.unpad(part(xs)), jax.jit(f)(xs))
+  low = part.lower(xs)
+  assert not [c for c in low.collectives() if c.role.startswith("ys")], low.explain()

@@ -114,6 +114,9 @@ class Graph:
     # values that are all zeros (a broadcast of a literal 0: jnp.zeros, the
     # zeros jax's transposes make): a sum or a select reads them as a ZERO
     self.zeros: set[Tensor] = set()
+    # scans' stacked results laid out as the loop reading them needs
+    # (spmd/stacked.py): their ys are stacked in that layout
+    self.restacked: set[Tensor] = set()
     self.top = jaxpr
     self._walk(jaxpr, ())
 

@@ -93,6 +93,7 @@ def stack_as_read(graph: Graph) -> int:
     if want not in _needs(made, [r for r in readers.get(made, []) if r is not b], mesh):
       continue               # the forward body does not make that copy
     outer.sharding = TensorSharding(((),) + want.dims)
+    graph.restacked.add(outer)
     for x in inner:
       x.sharding = want
     moved += 1

@@ -57,14 +57,14 @@ def _fit(ctx: Context, v: Value, s: TensorSharding, eqn, role: str) -> Value:
 
 
 def _y_layout(ctx: Context, scope, sub, inner, outer) -> TensorSharding:
-  """How a ys value is stacked: as the stacked result is laid out (which
-  ``stacked.stack_as_read`` may have set to the layout the loop reading it
-  uses), else as the body made it."""
+  """How a ys value is stacked: as the body made it, or, where
+  ``stacked.stack_as_read`` laid the stacked result out as the loop reading
+  it needs, in that layout (the body holds that copy already)."""
   if not hasattr(inner, "aval"):                   # a literal
     return TensorSharding.replicated(len(outer.aval.shape) - 1)
   made = ctx.target(sub, inner)
   t = ctx.graph.tensors.get((scope, outer))
-  if t is None or t.sharding.dims[0] or t.sharding.partial != made.partial:
+  if t is None or t not in ctx.graph.restacked:
     return made
   return TensorSharding(t.sharding.dims[1:], made.partial)
 
@@ -287,12 +287,41 @@ def shard_map_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
                 v.aval.dtype) for x, s, v in zip(outs, p["out_specs"], eqn.outvars)]
 
 
+def _live_custom_lins(jaxpr, live_out=None) -> set[int]:
+  """Ids of the ``custom_lin`` equations whose results reach ``jaxpr``'s
+  outputs (``live_out``: which of them are read; all by default). A call's
+  unread results are dead inside it too; other inner jaxprs count whole."""
+  live = {v for v, on in zip(jaxpr.outvars, live_out or [True] * len(jaxpr.outvars))
+          if on and not isinstance(v, Literal)}
+  found: set[int] = set()
+  for eqn in reversed(jaxpr.eqns):
+    outs = [v in live for v in eqn.outvars]
+    if not any(outs) and not eqn.effects:
+      continue
+    if eqn.primitive.name == "custom_lin":
+      found.add(id(eqn))
+    live.update(v for v in eqn.invars if not isinstance(v, Literal))
+    for key, sub in eqn.params.items():
+      for j in sub if isinstance(sub, (tuple, list)) else (sub,):
+        inner = getattr(j, "jaxpr", j)
+        if hasattr(inner, "eqns"):
+          call = key == "jaxpr" and len(inner.outvars) == len(eqn.outvars)
+          found |= _live_custom_lins(inner, outs if call else None)
+  return found
+
+
 def custom_lin_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``jax.jvp`` of a ``jax.custom_vjp`` function stages its tangent as a
   ``custom_lin`` equation that only a transpose removes: nothing lowers it
-  (jax raises at compile time). gshard's error, at the user's line, or the
-  one the function's library attached (``bwd.gshard_jvp_error``)."""
+  (jax raises at compile time). Where its tangent is read, gshard's error at
+  the user's line, or the one the function's library attached
+  (``bwd.gshard_jvp_error``); where nothing reads it (jax.jit drops it), zeros
+  that nothing reads."""
   del ins, scope, idx
+  if id(eqn) not in _live_custom_lins(ctx.graph.top):
+    return [Value(jnp.zeros(v.aval.shape, v.aval.dtype),
+                  TensorSharding.replicated(len(v.aval.shape)), tuple(v.aval.shape),
+                  v.aval.dtype) for v in eqn.outvars]
   bwd = getattr(eqn.params.get("bwd"), "f", None)
   message = getattr(bwd, "gshard_jvp_error", None)
   raise TypeError(message or (
