@@ -637,8 +637,18 @@ def test_a_partitioned_step_with_uneven_state_under_vmap(rows, cols, batch, spec
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5 * rows, what=f"step {i}")
 
 
-def test_vmap_out_axes_other_than_zero_for_uneven_state_is_an_error():
+def test_vmap_of_uneven_state_elsewhere_than_in_front_is_an_error():
+  """The batch dims of a PaddedArray are in front: vmap putting them
+  elsewhere (out_axes=1), or mapping over a dim that holds padding (the
+  padded rows would be mapped as data; found by a second reader), is an
+  error naming the fix."""
   f = gshard.partition(lambda w: w * 2, mesh(*M24), in_specs=P(None, "model"))
-  g = jax.vmap(f, out_axes=1)
-  with pytest.raises(ValueError, match=r"batch dim elsewhere than in front.*out_axes=0"):
-    g(jnp.ones((2, 3, 10)))
+  with pytest.raises(ValueError, match=r"batch dim is not in front.*out_axes=0"):
+    jax.vmap(f, out_axes=1)(jnp.ones((4, 3, 10)))
+  rows = gshard.partition(lambda w: w * 2, mesh(*M24), in_specs=P("model", None))(
+      jnp.ones((5, 7)))                               # f32[5,7] held as f32[8,7]
+  for mapped in (lambda: jax.vmap(lambda r: r)(rows),
+                 lambda: jax.lax.scan(lambda c, r: (c, None), 0, rows)):
+    with pytest.raises(ValueError, match=r"mapped over dim\(s\) \[0\].*held as \(8, 7\)"
+                       r".*gshard.unpad"):
+      mapped()

@@ -44,11 +44,14 @@ class PaddedArray:
     table.logical()                      # the logical jax.Array (gathers the split dim)
   """
 
-  __slots__ = ("data", "shape")
+  __slots__ = ("data", "shape", "_held")
 
-  def __init__(self, data, shape):
+  def __init__(self, data, shape, held=None):
     self.data = data
     self.shape = tuple(int(n) for n in shape)
+    # the padded shape, kept where data has none (a tree jax or a library
+    # unflattens with placeholders): the pytree's static part, with shape
+    self._held = held if held is not None else _shape_of(data)
 
   # -- the array protocol ------------------------------------------------------
   @property
@@ -97,24 +100,44 @@ class PaddedArray:
 
   # -- the pytree --------------------------------------------------------------
   def tree_flatten(self):
-    return (self.data,), self.shape
+    return (self.data,), (self.shape, self._held)
 
   @classmethod
-  def tree_unflatten(cls, shape, children):
+  def tree_unflatten(cls, aux, children):
+    shape, held = aux
     data = children[0]
-    rank = len(data.shape) if isinstance(getattr(data, "shape", None), tuple) else None
-    if rank is not None and rank != len(shape):
-      # jax.vmap added batch dims in front (out_axes=0) or took them off
-      # (in_axes=0): the padding is in the trailing dims, as before
-      shape = (tuple(data.shape[:rank - len(shape)]) + shape if rank > len(shape)
-               else shape[len(shape) - rank:])
-      if any(n > h for n, h in zip(shape, data.shape)):
-        raise ValueError(
-            f"A gshard.PaddedArray of logical shape {shape} is held as {tuple(data.shape)}: "
-            "jax.vmap put its batch dim elsewhere than in front (out_axes other than 0). "
-            "Use out_axes=0 for it, or return gshard.unpad(value) from the vmapped "
-            "function.")
-    return cls(data, shape)
+    now = _shape_of(data)
+    if held is not None and now is not None and len(now) != len(held):
+      return cls(data, _mapped(shape, held, now), now)
+    return cls(data, shape, held)
+
+
+def _shape_of(x) -> tuple | None:
+  shape = getattr(x, "shape", None)
+  return tuple(shape) if isinstance(shape, tuple) else None
+
+
+def _mapped(shape: tuple, held: tuple, now: tuple) -> tuple:
+  """The logical shape of a PaddedArray of logical ``shape`` held as ``held``
+  whose data ``jax.vmap`` (or ``lax.scan``) made ``now``: batch dims added in
+  front (``out_axes=0``) join the logical shape; leading dims mapped over
+  (``in_axes=0``) leave it, where they hold no padding."""
+  fix = ("Map over the batch dims in front only (in_axes=0 / out_axes=0 for it), or "
+         "gshard.unpad(value) first (or return it unpadded from the mapped function).")
+  if len(now) > len(held):
+    k = len(now) - len(held)
+    if now[k:] != held:
+      raise ValueError(
+          f"A gshard.PaddedArray of logical shape {shape}, held as {held}, came out of "
+          f"jax.vmap as {now}: its batch dim is not in front. {fix}")
+    return now[:k] + shape
+  k = len(held) - len(now)
+  if held[k:] != now or held[:k] != shape[:k]:
+    raise ValueError(
+        f"jax.vmap or lax.scan mapped over dim(s) {list(range(k))} of a gshard.PaddedArray "
+        f"of logical shape {shape} held as {held} (padded to an even split): the "
+        f"padding would be mapped as if it were data. {fix}")
+  return shape[k:]
 
 
 def is_padded(x) -> bool:
