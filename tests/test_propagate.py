@@ -710,3 +710,31 @@ def test_a_literal_zero_keeps_a_partial_sum_pending(n, c, ops, dtype, axes, seed
     assert len(psums) == n, [str(p) for p in psums]
   elif c == 0:
     assert len(psums) == 1, [str(p) for p in psums]
+
+
+def test_an_elementwise_tie_goes_to_the_better_supported_factor():
+  """In an elementwise equation two factors may want one mesh axis at equal
+  bytes with unequal support; the better supported one keeps it. Deferring
+  such ties as contractions do (a MoE combine's gradient) sent more on this
+  program: 530 B per device instead of 466 (found by a second reader)."""
+  m = gshard.make_mesh((2, 2), ("x", "y"))
+
+  def layer(h, w):
+    v = gshard.shard(w * 2.0, P("y", "x"))
+    h = gshard.shard(h, P("y", "x"))
+    z = gshard.shard(jnp.tanh(h.T @ v), P("x", "y"))
+    return h + jnp.cos(v) * h + jnp.sum(z)
+
+  def loss(w, x):
+    h = layer(x, w)
+    return jnp.sum(h * jnp.cos(h))
+
+  step = jax.value_and_grad(loss, argnums=(0, 1))
+  rng = np.random.default_rng(47)
+  w, x = (rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2))
+  part = gshard.partition(step, m, in_specs=(P("y", "x"), P("y", "x")))
+  got, want = part(w, x), jax.jit(step)(w, x)
+  for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(v), rtol=1e-5, atol=1e-5)
+  low = part.lower(w, x)
+  assert low.total_bytes() == 466, low.explain()

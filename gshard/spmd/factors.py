@@ -214,11 +214,12 @@ def solve(rule: FactorRule, operands: Sequence[Held | None],
   factor (the better supported one; a contested axis goes where it sends fewer
   bytes, by exact reshard plans).
 
-  With ``defer_ties``, two unpinned factors that want one mesh axis and send
-  the same bytes either way get neither: the choice is left to other
-  constraints (propagation's first phase: a weight gradient then takes the
-  layout its optimizer update needs, not the first operand's; a MoE
-  combine's gradient, the groups' layout its gating backward reads).
+  With ``defer_ties``, two unpinned factors that want one mesh axis, send the
+  same bytes either way and have equal support (or, in a contraction, any
+  support) get neither: the choice is left to other constraints
+  (propagation's first phase: a weight gradient then takes the layout its
+  optimizer update needs, not the first operand's; a MoE combine's gradient,
+  the groups' layout its gating backward reads, not the larger operand's).
 
   Pure in the tensors' shardings, pins, shapes and dtypes: memoised on them,
   so the repeated layers of a model are solved once.
@@ -283,7 +284,8 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
             owner.pop(b, None)
           done[g] = cut
         elif (defer_ties and take_bytes == stay_bytes and strength[f][0] == 0
-              and strength[g][0] == 0):
+              and (strength[f][:2] == strength[g][:2]
+                   or rule.reduction and strength[g][0] == 0)):
           for b in done[g][len(cut):]:      # a tie: neither factor takes the axis
             owner[b] = None
           done[g] = cut

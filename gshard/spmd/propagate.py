@@ -156,8 +156,8 @@ def propagate(graph: Graph) -> int:
   (:func:`conflicts` reads the disagreements from the graph after).
 
   Two phases, each to its fixed point: first, a mesh axis two unpinned
-  factors of one constraint want, at the same bytes either way, goes to
-  neither (other constraints,
+  factors of one constraint want, at the same bytes either way and with
+  equal support (in a contraction: any), goes to neither (other constraints,
   later in the program, decide it: a weight gradient takes the layout its
   optimizer update needs); then every tie is settled (the earlier factor).
   A phase's first sweep runs forward over every constraint; later sweeps

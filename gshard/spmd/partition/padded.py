@@ -8,10 +8,11 @@ the logical shape. ``gshard.partition`` returns the state it keeps split this
 way and takes it back without moving it.
 
 It is a pytree node with one child, the padded ``jax.Array`` (``.data``), and
-the logical shape as its static part, so ``jax.tree`` functions, ``jax.jit``
-and checkpointing libraries see the padded array. Under ``jax.vmap`` the
-batch dims are in front (``out_axes=0``; another ``out_axes`` is an error
-where the shapes show it: ``gshard.unpad`` the value inside instead). The padding holds zeros as
+the logical and padded shapes as its static part, so ``jax.tree`` functions,
+``jax.jit`` and checkpointing libraries see the padded array. Under
+``jax.vmap`` the batch dims are in front (``out_axes=0``); a batch dim
+elsewhere, or mapping over a dim that holds padding, is an error
+(``gshard.unpad`` the value first). The padding holds zeros as
 created, and whatever the program left there after a step: read values
 through :meth:`PaddedArray.logical` / :func:`unpad`, never ``.data`` directly.
 """
