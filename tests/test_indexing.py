@@ -698,3 +698,40 @@ def test_a_window_scatter_along_a_split_dim_equals_one_device(rows, start, mode)
   step = gshard.partition(fn, m, in_specs=(None, None, None))
   np.testing.assert_array_equal(np.asarray(gshard.unpad(step(a, i, u))),
                                 np.asarray(jax.jit(fn)(a, i, u)))
+
+
+INDEX_DTYPES = [jnp.uint8, jnp.int8, jnp.uint16, jnp.int16, jnp.uint32, jnp.int32]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_narrow_and_unsigned_index_dtypes(data):
+  """Indices of any integer dtype into a table split on the indexed dim
+  (byte-level token ids as uint8 into 300 rows): gshard subtracted each
+  device's row offset in the index dtype, which wrapped, so devices read and
+  wrote the wrong rows; a uint32 start of 2**32 - 1 became -1, clamped to 0
+  where jax clamps it to the end. Lookups, their gradient (a scatter-add into
+  the split table) and dynamic slices and updates equal jax.jit's, for in-
+  and out-of-range indices."""
+  dtype = data.draw(st.sampled_from(INDEX_DTYPES))
+  rows = data.draw(st.sampled_from([130, 300, 301]))
+  shape, names = data.draw(st.sampled_from([((4,), ("y",)), M24]))
+  info = np.iinfo(dtype)
+  idx = np.array(data.draw(st.lists(st.integers(int(info.min), int(info.max)), min_size=1,
+                                    max_size=6)) + [0, min(rows - 1, int(info.max))],
+                 dtype=dtype)
+  start = np.asarray(data.draw(st.integers(int(info.min), int(info.max))), dtype)
+  mode = data.draw(st.sampled_from(["clip", "fill"]))
+  table = (np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) - rows) / 7
+  split = P(names[-1], None)
+
+  def f(t, i, s):
+    looked = jnp.take(t, i, axis=0, mode=mode)
+    grad = jax.grad(lambda t: jnp.sum(jnp.take(t, i, axis=0, mode="clip") ** 2))(t)
+    window = lax.dynamic_slice(t, (s, jnp.zeros((), s.dtype)), (3, 2))
+    moved = lax.dynamic_update_slice(t, jnp.full((3, 2), -1.0), (s, jnp.zeros((), s.dtype)))
+    return looked, grad, window, moved
+
+  got = gshard.partition(f, mesh(shape, names), in_specs=(split, P(), P()))(table, idx, start)
+  assert_trees_close(got, jax.jit(f)(table, idx, start), rtol=0, atol=0,
+                     what=f"{np.dtype(dtype).name} indices {idx} start {start} mode {mode}")

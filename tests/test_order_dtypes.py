@@ -157,3 +157,21 @@ def test_min_keeps_the_sign_of_a_nan(mesh, name, length, nans):
   assert got.dtype == want.dtype == x.dtype
   bits = np.dtype(f"u{want.dtype.itemsize}")
   np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(MESHES), st.sampled_from(["bfloat16", "float16", "float8_e4m3fn",
+                                                 "float8_e5m2", "float32"]),
+       st.integers(8, 1200))
+def test_iota_of_a_low_precision_float_along_a_split_dim(mesh, name, length):
+  """jnp.arange in bf16 (positions of a sequence split over devices): the
+  local iota and the device's offset were each rounded to the dtype, then
+  their sum again; jax rounds the exact position once."""
+  shape, names, axes = mesh
+  dtype = _dtype(name)
+  f = lambda x: x * jnp.arange(length, dtype=dtype)
+  x = jnp.ones(length, dtype)
+  m = gshard.make_mesh(shape, names)
+  got = gshard.partition(f, m, in_specs=(P(axes),))(x)
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(jax.jit(f)(x), np.float32))

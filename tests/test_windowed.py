@@ -514,3 +514,19 @@ def test_shift_ops_grads():
     return jnp.sum(jnp.sin(z))
 
   check(jax.value_and_grad(loss), (rand(4, 32),), m, (P(None, "b"),))
+
+
+@pytest.mark.parametrize("init,op,window,strides,padding", [
+    (100.0, lax.add, (3,), (1,), "SAME"),
+    (2.0, lax.mul, (3,), (2,), ((1, 1),)),
+    (-5.0, lax.max, (4,), (1,), ((2, 1),)),
+])
+def test_generic_reduce_window_whose_init_is_not_the_identity(init, op, window, strides,
+                                                              padding):
+  """XLA skips a reduce_window's padding and applies the init value once per
+  window; a split dim's halo filled with the init value counted it once more
+  per padded row (found by a review). The dim is gathered for a generic
+  computation with padding (gshard cannot know its identity)."""
+  f = lambda a: lax.reduce_window(a, init, op, window, strides, padding)
+  check(f, (np.arange(1.0, 17.0, dtype=np.float32),), mesh((4,), ("y",)), (P("y"),),
+        what=f"init {init}")

@@ -166,6 +166,11 @@ def _pool_geometry(eqn, j: int, n: int):
   why = blocked_reason(n, {"input": L, "output": Q})
   if why:
     return why
+  if eqn.primitive.name == "reduce_window" and (tuple(p["padding"][j]) != (0, 0) or bd != 1):
+    # XLA skips padding and dilation holes; a halo filled with the init value
+    # counts it once more per such row, unless it is the computation's
+    # identity, which gshard cannot know for an arbitrary computation
+    return "a generic reduce_window skips its padding, which a split dim's halo cannot"
   block = Q // n
   halo = halo_plan(n, L * bd, p["padding"][j][0], block * s,
                    (block - 1) * s + (w - 1) * wd + 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -28,6 +29,19 @@ from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.generic import bind_local
 from gshard.spmd.partition.plan import factor_rule_of, note_options, plan_local
 from gshard.spmd.sharding import TensorSharding
+
+
+def _index(x, n: int):
+  """An index of any integer dtype as the platform's int (int32; int64 under
+  x64), with the arithmetic below done there: a narrow dtype would wrap a
+  device's row offset (uint8 token ids into 300 rows), and a value past the
+  wide int (a uint32 start of 2**32 - 1) is clamped to ``n`` first (past the
+  end either way)."""
+  wide = jax.dtypes.canonicalize_dtype(jnp.int64)
+  x = jnp.asarray(x)
+  if jnp.iinfo(x.dtype).max > jnp.iinfo(wide).max:
+    x = jnp.minimum(x, jnp.asarray(n, x.dtype))
+  return x.astype(wide)
 
 
 def _starts(ctx: Context, eqn, ins: list[Value]):
@@ -70,9 +84,11 @@ def _clamped_local(ctx: Context, eqn, ins, scope, *, window, blocked=frozenset()
   first = len(ins) - k
   starts = [ctx.reshard(v, TensorSharding.replicated(0), eqn, f"operand {first + d}")
             for d, v in enumerate(ins[first:])]
-  clamped = [Value(jnp.clip(v.x, 0, max(0, n - w)).astype(v.x.dtype) if not v.literal
-                   else np.clip(v.x, 0, max(0, n - w)).astype(np.asarray(v.x).dtype),
-                   TensorSharding.replicated(0), (), v.dtype, literal=v.literal)
+  # in the platform's int: a bound past a narrow dtype's range would wrap
+  wide = jax.dtypes.canonicalize_dtype(jnp.int64)
+  clamped = [Value(jnp.clip(_index(v.x, n), 0, max(0, n - w)) if not v.literal
+                   else np.asarray(min(max(int(v.x), 0), max(0, n - w)), wide),
+                   TensorSharding.replicated(0), (), wide, literal=v.literal)
              for v, n, w in zip(starts, local, wlocal)]
   return bind_local(ctx, eqn, plan, list(ins[:first]) + clamped)
 
@@ -92,7 +108,7 @@ def dynamic_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   for d, n in enumerate(full):
     if sizes[d] == n:
       continue
-    start = jnp.clip(starts[d].astype(jnp.int32), 0, n - sizes[d])
+    start = jnp.clip(_index(starts[d], n), 0, n - sizes[d])
     axes = operand.sharding.dims[d]
     if not axes:
       x = lax.dynamic_slice_in_dim(x, start, sizes[d], axis=d)
@@ -132,7 +148,7 @@ def dynamic_update_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]
   for d, n in enumerate(full):
     if usize[d] == n:
       continue
-    start = jnp.clip(starts[d].astype(jnp.int32), 0, n - usize[d])
+    start = jnp.clip(_index(starts[d], n), 0, n - usize[d])
     axes = operand.sharding.dims[d]
     offset = ctx.linear_index(axes) * local[d] if axes else 0
     held = offset + jnp.arange(local[d], dtype=jnp.int32)     # global rows held here
@@ -191,7 +207,7 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   oob = None
   comps = []
   for k, d in enumerate(dn.start_index_map):
-    comps.append(idx_x[..., k])
+    comps.append(_index(idx_x[..., k], full[d]))
   for d, axes, local, offset in split:
     k = list(dn.start_index_map).index(d)
     g = comps[k]
@@ -205,7 +221,7 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     ok = (loc >= 0) & (loc < local)
     in_range = ok if in_range is None else (in_range & ok)
     comps[k] = jnp.where(ok, loc, 0)
-  new_idx = jnp.stack(comps, axis=-1).astype(idx_x.dtype)
+  new_idx = jnp.stack(comps, axis=-1)
   (out,) = bind_local(ctx, eqn, plan, [operand, dataclasses.replace(indices, x=new_idx)])
   out_rank = len(out.shape)
   batch_dims = [i for i in range(out_rank) if i not in dn.offset_dims]
@@ -257,7 +273,7 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   full = eqn.invars[0].aval.shape
   idx_x = vals[1].x
   sdims = list(dn.scatter_dims_to_operand_dims)
-  comps = [idx_x[..., k] for k in range(len(sdims))]
+  comps = [_index(idx_x[..., k], full[d]) for k, d in enumerate(sdims)]
   if "CLIP" in str(eqn.params["mode"]):      # jax's clip: every window fits
     window = _scatter_window(eqn)
     comps = [jnp.clip(c, 0, full[d] - window[d]) for c, d in zip(comps, sdims)]
@@ -266,7 +282,7 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     # indices split unevenly: their padding rows are no updates; sent out of
     # bounds, they are dropped
     comps[0] = jnp.where(real, comps[0], full[sdims[0]])
-    fixed = dataclasses.replace(vals[1], x=jnp.stack(comps, axis=-1).astype(idx_x.dtype))
+    fixed = dataclasses.replace(vals[1], x=jnp.stack(comps, axis=-1))
     return bind_local(ctx, eqn.replace(params={**eqn.params, "mode": drop}), plan,
                       [vals[0], fixed, vals[2]])
   # Each update that lands outside this device's rows is sent out of bounds,
@@ -283,7 +299,7 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     if real is not None:         # a padding row of unevenly split indices
       ok = ok & real
     comps[k] = jnp.where(ok, loc, local)
-  new_idx = jnp.stack(comps, axis=-1).astype(idx_x.dtype)
+  new_idx = jnp.stack(comps, axis=-1)
   eqn2 = eqn.replace(params={**eqn.params, "mode": drop})
   y = eqn2.primitive.bind(x, new_idx, vals[2].x, **eqn2.params)
   out = eqn.outvars[0]

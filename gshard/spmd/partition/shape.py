@@ -33,6 +33,12 @@ def iota_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   axes = out.sharding.dims[dim]
   if axes:
     local = out.sharding.local_shape(out.shape, ctx.mesh_sizes)[dim]
+    if jnp.issubdtype(out.x.dtype, jnp.inexact):
+      # the global position as an integer, rounded once (as jax's iota is):
+      # the local iota and the offset rounded apart, then their sum, differ
+      # in a low-precision float (bf16 from 256 on)
+      pos = lax.broadcasted_iota(jnp.int32, out.x.shape, dim) + ctx.linear_index(axes) * local
+      return [dataclasses.replace(out, x=pos.astype(out.x.dtype))]
     offset = (ctx.linear_index(axes) * local).astype(out.x.dtype)
     out = dataclasses.replace(out, x=out.x + offset)
   return [out]
