@@ -94,6 +94,8 @@ class PaddedArray:
     return self.shape[0]
 
   def __repr__(self) -> str:
+    if _shape_of(self.data) is None:      # a jax.tree.map to shapes, names, None
+      return f"PaddedArray({self.data!r}, logical shape {list(self.shape)})"
     dtype = getattr(self.dtype, "name", self.dtype)
     spec = getattr(getattr(self.data, "sharding", None), "spec", None)
     return (f"PaddedArray({dtype}{list(self.shape)} held as {dtype}"
@@ -108,8 +110,10 @@ class PaddedArray:
     shape, held = aux
     data = children[0]
     now = _shape_of(data)
-    if held is not None and now is not None and len(now) != len(held):
-      return cls(data, _mapped(shape, held, now), now)
+    if held is not None and now and len(now) != len(held):
+      mapped = _mapped(shape, held, now)
+      if mapped is not None:
+        return cls(data, mapped, now)
     return cls(data, shape, held)
 
 
@@ -118,26 +122,31 @@ def _shape_of(x) -> tuple | None:
   return tuple(shape) if isinstance(shape, tuple) else None
 
 
-def _mapped(shape: tuple, held: tuple, now: tuple) -> tuple:
+def _mapped(shape: tuple, held: tuple, now: tuple) -> tuple | None:
   """The logical shape of a PaddedArray of logical ``shape`` held as ``held``
   whose data ``jax.vmap`` (or ``lax.scan``) made ``now``: batch dims added in
   front (``out_axes=0``) join the logical shape; leading dims mapped over
-  (``in_axes=0``) leave it, where they hold no padding."""
+  (``in_axes=0``) leave it, where they hold no padding. None where ``now``
+  is no such shape (a ``jax.tree.map`` to something else: left as it was)."""
   fix = ("Map over the batch dims in front only (in_axes=0 / out_axes=0 for it), or "
          "gshard.unpad(value) first (or return it unpadded from the mapped function).")
   if len(now) > len(held):
     k = len(now) - len(held)
-    if now[k:] != held:
+    if now[k:] == held:
+      return now[:k] + shape
+    if any(now[:i] + now[i + k:] == held for i in range(1, len(held) + 1)):
       raise ValueError(
           f"A gshard.PaddedArray of logical shape {shape}, held as {held}, came out of "
           f"jax.vmap as {now}: its batch dim is not in front. {fix}")
-    return now[:k] + shape
+    return None
   k = len(held) - len(now)
-  if held[k:] != now or held[:k] != shape[:k]:
+  if held[k:] != now:
+    return None
+  if held[:k] != shape[:k]:
     raise ValueError(
-        f"jax.vmap or lax.scan mapped over dim(s) {list(range(k))} of a gshard.PaddedArray "
-        f"of logical shape {shape} held as {held} (padded to an even split): the "
-        f"padding would be mapped as if it were data. {fix}")
+        f"A gshard.PaddedArray of logical shape {shape}, held as {held} (padded to an even "
+        f"split), lost its dim(s) {list(range(k))} (jax.vmap or lax.scan over them, or a "
+        f"jax.tree.map reducing them): the padding would count as data. {fix}")
   return shape[k:]
 
 
