@@ -195,3 +195,49 @@ def test_moe_train_steps_equal_one_device_all_to_all_no_gather():
   # nothing is gathered: not the expert weights, not tokens, not dispatch masks
   gathered = [c for c in cols if c.kind == "all_gather"]
   assert not gathered, lowered.explain()
+
+
+def test_an_nnx_model_evaluates_on_uneven_state():
+  """After a partitioned step whose vocabulary (50) splits unevenly, the
+  state holds PaddedArrays; NNX's eval flow (nnx.merge, then the model,
+  eagerly or under jax.jit) raised "'PaddedArray' object is not
+  subscriptable" (found by a review of client code). A PaddedArray reads as
+  its logical value under indexing and jax functions: the same logits as on
+  the unpadded state."""
+  from flax import nnx
+  import jax.numpy as jnp
+  import optax
+
+  class LM(nnx.Module):
+    def __init__(self, rngs):
+      self.emb = nnx.Embed(50, 16, rngs=rngs)
+      self.out = nnx.Linear(16, 50, rngs=rngs)
+
+    def __call__(self, tok):
+      return self.out(self.emb(tok))
+
+  model = LM(nnx.Rngs(0))
+  graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)))
+
+  def step(state, tok):
+    model, opt = nnx.merge(graphdef, state)
+    loss, g = nnx.value_and_grad(lambda m: optax.softmax_cross_entropy_with_integer_labels(
+        m(tok), tok).mean())(model)
+    opt.update(model, g)
+    return nnx.state((model, opt)), loss
+
+  def spec(v):
+    return {(50, 16): P("model", None), (16, 50): P(None, "model"),
+            (50,): P("model")}.get(tuple(v.shape))
+  specs = nnx.State.from_flat_path({k: spec(v) for k, v in nnx.to_flat_state(state)})
+  tok = jnp.arange(16).reshape(8, 2) % 50
+  new, _ = gshard.partition(step, mesh((2, 4), ("data", "model")), in_specs=(specs, P("data")))(
+      state, tok)
+  assert any(isinstance(x, gshard.PaddedArray)
+             for x in jax.tree.leaves(new, is_leaf=lambda x: isinstance(x, gshard.PaddedArray)))
+  evaluate = lambda s, t: nnx.merge(graphdef, s)[0](t)
+  want = np.asarray(evaluate(gshard.unpad(new), tok))
+  for got in (evaluate(new, tok), jax.jit(evaluate)(new, tok)):
+    # the same values; eager and jitted programs may order the 16-term dots
+    # differently: 16 roundings of f32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=16 * 2**-23, atol=16 * 2**-23)

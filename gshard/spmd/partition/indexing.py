@@ -128,6 +128,8 @@ def dynamic_update_slice_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]
   that land in its block; no communication."""
   operand, update = ins[0], ins[1]
   full, usize = operand.shape, update.shape
+  if 0 in usize:          # an empty update writes nothing
+    return [ctx.reshard(operand, operand.sharding.without_partial(), eqn, "operand 0")]
   split = [d for d in range(len(full)) if operand.sharding.dims[d] and usize[d] != full[d]]
   if not split:
     # The plain local op: the update's dims must not be split where it is
@@ -222,7 +224,8 @@ def gather_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     in_range = ok if in_range is None else (in_range & ok)
     comps[k] = jnp.where(ok, loc, 0)
   new_idx = jnp.stack(comps, axis=-1)
-  (out,) = bind_local(ctx, eqn, plan, [operand, dataclasses.replace(indices, x=new_idx)])
+  (out,) = bind_local(ctx, _rewritten(eqn), plan,
+                      [operand, dataclasses.replace(indices, x=new_idx)])
   out_rank = len(out.shape)
   batch_dims = [i for i in range(out_rank) if i not in dn.offset_dims]
   local_out = out.sharding.local_shape(out.shape, ctx.mesh_sizes)
@@ -283,8 +286,7 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     # bounds, they are dropped
     comps[0] = jnp.where(real, comps[0], full[sdims[0]])
     fixed = dataclasses.replace(vals[1], x=jnp.stack(comps, axis=-1))
-    return bind_local(ctx, eqn.replace(params={**eqn.params, "mode": drop}), plan,
-                      [vals[0], fixed, vals[2]])
+    return bind_local(ctx, _rewritten(eqn, mode=drop), plan, [vals[0], fixed, vals[2]])
   # Each update that lands outside this device's rows is sent out of bounds,
   # where the scatter drops it. The operand is a barrier's: XLA (jaxlib
   # 0.10.2) has been seen to misplace out-of-bounds updates once the scatter
@@ -300,10 +302,18 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
       ok = ok & real
     comps[k] = jnp.where(ok, loc, local)
   new_idx = jnp.stack(comps, axis=-1)
-  eqn2 = eqn.replace(params={**eqn.params, "mode": drop})
+  eqn2 = _rewritten(eqn, mode=drop)
   y = eqn2.primitive.bind(x, new_idx, vals[2].x, **eqn2.params)
   out = eqn.outvars[0]
   return [Value(y, plan.results[0], tuple(out.aval.shape), out.aval.dtype)]
+
+
+def _rewritten(eqn, **params):
+  """``eqn`` for rewritten indices (local rows, masked or out-of-bounds
+  ones): no longer sorted or unique, so it claims neither (a backend may
+  rely on those hints)."""
+  return eqn.replace(params={**eqn.params, "indices_are_sorted": False,
+                             "unique_indices": False, **params})
 
 
 def _real_index_rows(ctx: Context, indices: Value):

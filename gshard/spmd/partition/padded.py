@@ -86,6 +86,16 @@ class PaddedArray:
       return jax.ShapeDtypeStruct(self.shape, self.data.dtype)
     return self.data[self._index()]
 
+  def __jax_array__(self):
+    """jax functions read the logical value: ``jnp.asarray(p)``, ``x @ p``,
+    ``jnp.take(p, ids, axis=0)``, a model evaluated on the state outside
+    gshard (under ``jax.jit`` too, where it slices the padded data)."""
+    return self.logical()
+
+  def __getitem__(self, index):
+    """Indexing reads the logical value (``p[ids]``, flax's ``variable[...]``)."""
+    return self.logical()[index]
+
   def __array__(self, dtype=None, copy=None):
     out = np.asarray(self.data)[self._index()]
     return out.astype(dtype) if dtype is not None else out
