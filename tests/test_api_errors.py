@@ -191,3 +191,32 @@ def test_a_users_own_type_error_keeps_its_cause():
   with pytest.raises(TypeError, match="mine") as e:
     gshard.partition(f, mesh(*M24))(jnp.ones(8))
   assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_jax_debug_nans_names_the_primitive_and_the_users_line():
+  """With jax_debug_nans, jax.jit re-runs op by op and raises at the
+  primitive; a partitioned step raised jax's InternalFloatingPointError
+  ('jit(body)', 'nan') from gshard's frames (found by a review of client
+  code). The user's function is re-run op by op on the logical values."""
+  import traceback
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+  x = jnp.ones((8, 4)).at[1, 1].set(-5.0)
+
+  def loss(x, w):
+    return jnp.sqrt(x @ w).sum()          # one negative entry: NaN
+
+  step = gshard.partition(loss, m, in_specs=(P("data"), P(None, "model")))
+  jax.config.update("jax_debug_nans", True)
+  try:
+    with pytest.raises(FloatingPointError, match="invalid value \\(nan\\) encountered in sqrt") \
+        as info:
+      step(x, jnp.ones((4, 4)))
+  finally:
+    jax.config.update("jax_debug_nans", False)
+  frames = traceback.extract_tb(info.value.__traceback__)
+  assert any(f.name == "loss" and f.filename == __file__ for f in frames)
+  assert np.isnan(float(step(x, jnp.ones((4, 4)))))       # off again: runs
+  # where the op-by-op run makes no NaN, the partitioned program alone did
+  from gshard.spmd.partition import nans
+  err = nans.localize(lambda x: x * 2, (jnp.ones(2),), "step", RuntimeError("nan"))
+  assert isinstance(err, FloatingPointError) and "a gshard bug" in str(err)

@@ -10,10 +10,9 @@ so jax's C++ dispatch looks the executable up (tree, shapes, dtypes, weak
 types, layouts) with no Python work per leaf. The expensive steps run when jax
 traces: ``_run`` finds (or builds) the :class:`Program` for the logical
 signature and calls its ``shard_map``. Before anything heavy, a trace whose
-state arrives off the mesh (numpy, a fresh ``jnp`` array, a Python scalar) or
-uneven state that arrives unpadded raises :class:`_Place`; ``__call__`` lays
-those leaves out as the program keeps them and dispatches again, so the
-compiled program is the one every later step hits.
+state arrives off the mesh (numpy, a Python scalar) or unpadded raises
+:class:`_Place`; ``__call__`` lays those leaves out as the program keeps
+them and dispatches again: every later step hits that compiled program.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from gshard.spmd.hoist import gather_early
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
+from gshard.spmd.partition import nans
 from gshard.spmd.partition.interpret import run_jaxpr
 from gshard.spmd.partition.padded import PaddedArray, elsewhere, is_padded, pad_to
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str, short_dtype,
@@ -50,10 +50,8 @@ class Program:
       inside the partitioned program (uneven dims padded).
     out_tree: the outputs' tree structure.
     shard_fn: the ``shard_map`` of the per-device body (padded inputs).
-    recorder: every collective and safe-path fallback of the per-device program
-      (filled when it is traced).
-    timings: seconds per phase (trace, propagate, partition_setup: the boundary
-      and the per-device program, lower: jax's lowering).
+    recorder: every collective and safe-path fallback (filled when traced).
+    timings: seconds per phase (trace, propagate, partition_setup, lower).
     flat_avals: logical shape, dtype and weak type of each flat input.
     in_place: the even layout a plain (not padded) input is placed with.
     out_avals: logical shape and dtype of each flat output.
@@ -227,11 +225,10 @@ def _check_donate(donate_argnums) -> tuple[int, ...]:
 class Partitioned:
   """A function partitioned over a mesh; call it like the original.
 
-  ``step(*args)`` runs the per-device program on the mesh and returns global
-  ``jax.Array``s (and :class:`PaddedArray` for state kept split unevenly);
-  ``step.lower(*args)`` gives the inspection object. Each new input signature
-  (tree, shapes, dtypes, weak types) is traced, propagated and partitioned
-  once; jax compiles it once per input layout, as ``jax.jit`` does.
+  ``step(*args)`` runs the per-device program and returns global arrays (a
+  :class:`PaddedArray` for state kept split unevenly); ``step.lower(*args)``
+  inspects it. Each input signature (tree, shapes, dtypes, weak types) is
+  partitioned once; jax compiles it once per input layout, as ``jax.jit`` does.
   """
 
   def __init__(self, fn: Callable, mesh, in_specs=None, out_specs=None,
@@ -406,8 +403,13 @@ class Partitioned:
 
   def __call__(self, *args, **kwargs):
     args = infer.bind_positional(self.fn, args, kwargs)
-    with mesh_scope(self.mesh):
-      return self._call(*args)
+    try:
+      with mesh_scope(self.mesh):
+        return self._call(*args)
+    except Exception as e:     # jax_debug_nans: found op by op on one device
+      if not nans.failed_check(e):
+        raise
+      raise nans.localize(self.fn, args, self.__name__, e) from None
 
   def _call(self, *args):
     if self._abstract:
@@ -442,10 +444,10 @@ class Partitioned:
   def lower(self, *args, **kwargs):
     """Lower for inspection; ``args`` may be ``jax.ShapeDtypeStruct``s.
 
-    The program lowered is the one steady-state calls run: every input laid
-    out as the program takes it (uneven state padded), so its HLO has no
-    resharding at the boundary. ``platform="tpu"`` (``lowering_platform=`` if
-    ``fn`` has a ``platform``) lowers for TPU from here, any ``AbstractMesh``.
+    The program lowered is the one steady-state calls run (inputs laid out as
+    it takes them, uneven state padded: no resharding at the boundary).
+    ``platform="tpu"`` (``lowering_platform=`` if ``fn`` has a ``platform``)
+    lowers for TPU from here, any ``AbstractMesh``.
     """
     platform, kwargs = infer.lowering_platform(self.fn, args, kwargs)
     if self._abstract and platform is None:
@@ -500,13 +502,11 @@ def partition(fn: Callable, mesh, in_specs=None, out_specs=None, strict: bool = 
     strict: ``True`` raises where a primitive without a partition rule would
       gather its operands (the safe path), instead of warning.
     donate_argnums: positions of the arguments whose buffers may be reused.
-    windowed_einsum: ``None`` (the default) or bytes per device. A
-      ``dot_general`` whose plan would all-gather an operand holding at least
-      that many bytes per device once gathered (or reduce-scatter a result of
-      at least that many) runs instead as a loop of ``ppermute`` steps around
-      the ring of that mesh axis (GShard's windowed einsum, XLA's collective
-      matmul): the same bytes sent, but the gathered operand is never held
-      whole. ``0`` windows every such dot.
+    windowed_einsum: ``None`` (the default) or bytes per device. A dot whose
+      plan would all-gather an operand of at least that many bytes per device
+      once gathered (or reduce-scatter a result that large) runs as a ring of
+      ``ppermute`` steps (GShard's windowed einsum): the same bytes sent, the
+      gathered operand never held whole. ``0`` windows every such dot.
 
   Returns:
     A :class:`Partitioned` callable (keywords as for jax.jit); ``.lower(*args)`` inspects it.
