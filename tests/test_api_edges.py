@@ -309,3 +309,33 @@ def test_compiled_takes_keywords_and_flat_plain_leaves():
   flat = c2(*jax.tree_util.tree_leaves((s, i)))
   np.testing.assert_array_equal(flat[-1], jax.jit(step)(s, i)[1])
   np.testing.assert_array_equal(np.asarray(flat[0])[:1003], jax.jit(step)(s, i)[0]["t"])
+
+
+def test_a_partitioned_function_retraces_when_jax_settings_change():
+  """jax.jit keys its traces on jax's trace-time settings; gshard's program
+  cache keyed on the arguments only, so after jax_enable_x64 or
+  jax_threefry_partitionable changed a partitioned function kept running the
+  program traced before: old dtypes (or a lowering error), old random bits,
+  the old matmul precision (found by a review of client code)."""
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+
+  def f(key, x):
+    return jnp.argmax(x, -1), x + jax.random.normal(key, x.shape)
+
+  step, ref = gshard.partition(f, m, in_specs=(None, P("data", "model"))), jax.jit(f)
+  key, x = jax.random.key(0), jnp.linspace(0, 1, 64).reshape(8, 8)
+  flip = not jax.config.jax_threefry_partitionable
+  with jax.enable_x64(True):
+    assert step(key, x)[0].dtype == ref(key, x)[0].dtype == jnp.int64
+  try:
+    for _ in range(2):
+      got, want = step(key, x), ref(key, x)
+      assert got[0].dtype == want[0].dtype == jnp.int32
+      np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+      jax.config.update("jax_threefry_partitionable", flip)
+  finally:
+    jax.config.update("jax_threefry_partitionable", not flip)
+  mm = gshard.partition(lambda a, b: a @ b, m)
+  assert "HIGHEST" not in mm.lower(x, x).as_text()
+  with jax.default_matmul_precision("highest"):
+    assert "HIGHEST" in mm.lower(x, x).as_text()

@@ -419,6 +419,21 @@ def pinned_graph(jaxpr, mesh_sizes, leaves, paths, specs) -> Graph:
       graph.pin(graph.tensor((), var), sharding, open_dims, where)
   return graph
 
+# jax settings that change what a trace makes, as jax.jit keys its traces on
+# them (its trace context is private): dtypes, precision, random bits, promotion
+_TRACE_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision",
+                   "jax_threefry_partitionable", "jax_default_prng_impl",
+                   "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion",
+                   "jax_softmax_custom_jvp", "jax_enable_checks", "jax_random_seed_offset",
+                   "jax_explicit_x64_dtypes")
+
+
+def config_key() -> tuple:
+  """The current values of jax's trace-time settings (a program traced under
+  others is not this one: a cache of programs keys on them)."""
+  return tuple(str(getattr(jax.config, name, None)) for name in _TRACE_SETTINGS)
+
+
 def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
             out_specs=None) -> ShardingResult:
   """Trace ``fn(*args)``, pin ``in_specs``/``out_specs``, propagate.

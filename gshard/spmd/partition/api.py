@@ -263,16 +263,16 @@ class Partitioned:
     """The :class:`Program` for this input signature, built once and cached.
 
     ``args`` may be arrays, ``ShapeDtypeStruct``s, :class:`PaddedArray`s or
-    scalars; the key is the tree and each leaf's logical shape, dtype and weak
-    type (``jax.typeof(0)`` is a weak ``int32``, as is ``step + 1``)."""
+    scalars; the key is the tree, jax's trace-time settings and each leaf's
+    logical shape, dtype and weak type (``jax.typeof(0)`` is a weak ``int32``)."""
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
     with mesh_scope(self.mesh):
       return self._program(leaves, treedef)
 
   def _program(self, leaves, treedef) -> Program:
     structs = infer.structs_of(self.fn, self.__name__, leaves, treedef)
-    key = (treedef, tuple((tuple(s.shape), str(s.dtype), bool(s.weak_type))
-                          for s in structs))
+    key = (treedef, infer.config_key(), tuple((tuple(s.shape), str(s.dtype),
+                                               bool(s.weak_type)) for s in structs))
     prog = self._cache.get(key)
     if prog is None:
       # traced on the arguments as given, a PaddedArray as the array it stands
