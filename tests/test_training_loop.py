@@ -388,6 +388,8 @@ _OUTER = {
                                           length=2)[0],
     "grad": lambda ps, w, x: jax.grad(lambda w: ps(w, x)[1])(w),
     "eval_shape": lambda ps, w, x: jax.eval_shape(ps, w, x),
+    # an ensemble: state with a batch dim in front
+    "vmap": lambda ps, w, x: jax.vmap(ps, in_axes=(0, None))(jnp.stack([w, -w]), x),
 }
 
 
@@ -399,6 +401,21 @@ def test_a_step_with_state_composes_with_jax_transformations(outer, rows, spec):
   under jax.jit / scan / grad / eval_shape: as the plain step is. Placing the
   state (even or padded) read a tracer's ``committed``: jax's
   ConcretizationTypeError."""
+  _compose(outer, rows, spec)
+
+
+@pytest.mark.parametrize("outer,rows,spec", [("scan", 10, P("model")),
+                                             ("vmap", 8, P(None, "model")),
+                                             ("vmap", 8, P("model"))])
+def test_a_step_in_a_scan_or_vmap(outer, rows, spec):
+  """Found by a review of client code: in a scan, a step whose uneven state
+  entered as a plain array returned a PaddedArray (jax: the carry changed
+  type); under vmap, state not yet on the mesh was placed with the unbatched
+  spec on the batched value (jax's IndivisibleError, one dim off)."""
+  _compose(outer, rows, spec)
+
+
+def _compose(outer, rows, spec):
   rng = np.random.default_rng(rows)
   w = rng.standard_normal((rows, 8)).astype(np.float32)
   x = rng.standard_normal((16, rows)).astype(np.float32)

@@ -32,10 +32,11 @@ from gshard.spmd import _gc, collectives, infer
 from gshard.spmd.hoist import gather_early
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
 from gshard.spmd.inspect import Lowered
-from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition import nans
+from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
-from gshard.spmd.partition.padded import PaddedArray, elsewhere, is_padded, pad_to
+from gshard.spmd.partition.padded import (PaddedArray, as_given, batched, elsewhere,
+                                          is_padded, pad_to, traced)
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str, short_dtype,
                                    mesh_scope, require_mesh, with_auto_axes)
 
@@ -391,7 +392,7 @@ class Partitioned:
   def _placed(self, args, prog: Program, need) -> tuple:
     """``args`` with the flat inputs ``need`` laid out as ``prog`` takes them."""
     leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_padded)
-    for i in need:
+    for i in (i for i in need if not batched(leaves[i])):   # vmap's to lay out
       leaves[i] = self._place_leaf(prog, i, leaves[i])
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -405,11 +406,10 @@ class Partitioned:
     args = infer.bind_positional(self.fn, args, kwargs)
     try:
       with mesh_scope(self.mesh):
-        return self._call(*args)
+        out = self._call(*args)
+      return as_given(args, out, self.program(*args).pairs) if traced(args) else out
     except Exception as e:     # jax_debug_nans: found op by op on one device
-      if not nans.failed_check(e):
-        raise
-      raise nans.localize(self.fn, args, self.__name__, e) from None
+      raise (nans.localize(self.fn, args, self.__name__, e) if nans.failed_check(e) else e)
 
   def _call(self, *args):
     if self._abstract:

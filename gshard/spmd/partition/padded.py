@@ -224,6 +224,32 @@ def elsewhere(x, devices: tuple) -> bool:
       and tuple(x.sharding.mesh.devices.flat) != devices)
 
 
+def traced(args) -> bool:
+  """Whether the call is traced by an outer transformation (jit, scan, vmap,
+  grad): some argument is a tracer."""
+  return any(isinstance(x.data if is_padded(x) else x, jax.core.Tracer)
+             for x in jax.tree_util.tree_leaves(args, is_leaf=is_padded))
+
+
+def batched(x) -> bool:
+  """Whether ``x`` is a ``jax.vmap`` tracer (its layout is the batch trace's
+  to set: a sharding for the unbatched value does not fit it)."""
+  return type(x.data if is_padded(x) else x).__name__ == "BatchTracer"   # not exported
+
+
+def as_given(args, out, pairs: dict[int, int]):
+  """``out`` with each next value of a state input in that input's form: a
+  :class:`PaddedArray` only where the input was one. Under an outer trace a
+  loop carry must keep its type (``lax.scan`` over a step whose uneven state
+  entered as a plain array)."""
+  given = jax.tree_util.tree_leaves(args, is_leaf=is_padded)
+  leaves, tree = jax.tree_util.tree_flatten(out, is_leaf=is_padded)
+  for j, i in pairs.items():
+    if is_padded(leaves[j]) and not is_padded(given[i]):
+      leaves[j] = leaves[j].logical()
+  return jax.tree_util.tree_unflatten(tree, leaves)
+
+
 def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
   """``x`` (an array of its logical shape) as a :class:`PaddedArray` of
   ``full_shape`` laid out as ``sharding``; the padding is zeros."""
