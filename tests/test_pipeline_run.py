@@ -11,6 +11,8 @@ tick). Both are also held under 1e-5.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -411,3 +413,25 @@ def test_a_function_traced_before_is_traced_again_for_the_mesh():
   other = gshard.partition(f, mesh((2, 4), ("data", "model")))(stacked, x)
   np.testing.assert_allclose([float(low.compile()(stacked, x)), float(other)], [want, want],
                              rtol=1e-6)
+
+
+def test_a_random_draw_in_layer_fn_is_warned():
+  """A dropout mask drawn in layer_fn from a closed-over key: the pipeline
+  draws one per micro-batch, of its rows' shape, not the plain loop's draw
+  for the whole batch, so values differ (found by a review of client code):
+  a PartitionWarning names the draw's line. Without a draw, none."""
+  stacked = pipeline.stack([{"w": jnp.eye(4) * (i + 1) / 4} for i in range(4)])
+  x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+  key = jax.random.key(0)
+
+  def dropout_layer(p, h):
+    return jnp.tanh(h @ p["w"]) * jax.random.bernoulli(key, 0.9, h.shape)
+
+  m = mesh((4, 2), ("stage", "data"))
+  f = lambda layer: lambda s, x: pipeline.run(layer, s, x, num_microbatches=4)
+  with pytest.warns(gshard.PartitionWarning, match=r"draws random numbers \(random_bits at "
+                    r".*test_pipeline_run.py.*pass it in x"):
+    gshard.partition(f(dropout_layer), m).lower(stacked, x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gshard.PartitionWarning)
+    gshard.partition(f(lambda p, h: jnp.tanh(h @ p["w"])), m).lower(stacked, x)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -56,7 +57,10 @@ from gshard.pipeline.shift import shift
 from gshard.pipeline.stages import mask, merged, microbatches, on_stages, stage_major
 from gshard.pipeline.tables import SCHEDULES
 from gshard.pipeline.tables import schedule as make_schedule
+from gshard.spmd.graph import sub_jaxprs
+from gshard.spmd.partition.context import PartitionWarning
 from gshard.spmd.sharding import mesh_str
+from gshard.spmd.source import source_of
 
 CHUNK_WEIGHTS = "gshard_pipeline_chunk_weights"   # checkpoint_name of a tick's chunk weights
 
@@ -144,7 +148,8 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
   mb = batch // num_microbatches
   _check_layer_fn(layer_fn, one_layer,
                   jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb,) + np.shape(a)[1:],
-                                                              jnp.result_type(a)), x), mb)
+                                                              jnp.result_type(a)), x), mb,
+                  micro=True)
   if loss_fn is None:
     return _pipelined(layer_fn, stacked, x, layout, stages, num_microbatches, stage_axis,
                       remat)
@@ -265,15 +270,42 @@ def _check_stages(layout: Layout, stages: int, axis: str, mesh, num_microbatches
         f"{stages * -(-num_microbatches // stages)}, or repeats=1.")
 
 
-def _check_layer_fn(layer_fn, one_layer, x, rows) -> None:
+def _check_layer_fn(layer_fn, one_layer, x, rows, micro: bool = False) -> None:
   want = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), x)
-  got = jax.eval_shape(layer_fn, one_layer, want)
+  traced = jax.make_jaxpr(layer_fn, return_shape=True)(one_layer, want)
+  got = traced[1]
+  if micro:
+    _warn_draws(traced[0].jaxpr)
   if jax.tree.structure(got) != jax.tree.structure(want) or any(
       (a.shape, a.dtype) != (b.shape, b.dtype)
       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))):
     raise ValueError(
         f"run: layer_fn(one_layer_params, x) must return x's structure, shapes and dtypes; "
         f"for x of {want} ({rows} rows) it returned {got}.")
+
+
+_DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
+
+
+def _warn_draws(jaxpr) -> None:
+  """A random draw in ``layer_fn`` (dropout) is made per micro-batch: its
+  shape (and so its values) are not the whole batch's draw the plain loop
+  makes from the same key."""
+  stack = [(jaxpr, None)]              # an inner jaxpr's draw: its outer equation's line
+  while stack:
+    j, outer = stack.pop()
+    for eqn in j.eqns:
+      if eqn.primitive.name in _DRAWS:
+        warnings.warn(PartitionWarning(
+            f"pipeline.run: layer_fn draws random numbers ({eqn.primitive.name} at "
+            f"{source_of(outer or eqn)}). The pipeline runs layer_fn on one micro-batch at a "
+            "time, so each draws its own bits for its rows: the values (a dropout mask) "
+            "are as random, but not the plain loop's, which draws for the whole batch at "
+            "once. For the same values, draw the randomness outside and pass it in x."),
+            stacklevel=4)
+        return
+      stack.extend((getattr(sub, "jaxpr", sub), outer or eqn)
+                   for _, sub in sub_jaxprs(eqn.params))
 
 
 # -- the plain loop ----------------------------------------------------------------
