@@ -643,8 +643,14 @@ def test_vmap_of_uneven_state_elsewhere_than_in_front_is_an_error():
   padded rows would be mapped as data; found by a second reader), is an
   error naming the fix."""
   f = gshard.partition(lambda w: w * 2, mesh(*M24), in_specs=P(None, "model"))
+  # state that enters vmap as a plain array comes back as one (any out_axes)
+  got = jax.vmap(f, out_axes=1)(jnp.ones((4, 3, 10)))
+  assert not isinstance(got, gshard.PaddedArray) and got.shape == (3, 4, 10)
+  # as a PaddedArray (an ensemble's state, stacked), it comes back as one
+  ensemble = jax.tree.map(lambda a: jnp.stack([a] * 4), f(jnp.ones((3, 10))))
+  assert ensemble.shape == (4, 3, 10)
   with pytest.raises(ValueError, match=r"batch dim is not in front.*out_axes=0"):
-    jax.vmap(f, out_axes=1)(jnp.ones((4, 3, 10)))
+    jax.vmap(f, out_axes=1)(ensemble)
   rows = gshard.partition(lambda w: w * 2, mesh(*M24), in_specs=P("model", None))(
       jnp.ones((5, 7)))                               # f32[5,7] held as f32[8,7]
   for mapped in (lambda: jax.vmap(lambda r: r)(rows),
