@@ -304,8 +304,7 @@ def _warn_draws(jaxpr) -> None:
             "once. For the same values, draw the randomness outside and pass it in x."),
             stacklevel=4)
         return
-      stack.extend((getattr(sub, "jaxpr", sub), outer or eqn)
-                   for _, sub in sub_jaxprs(eqn.params))
+      stack.extend((sub, outer or eqn) for _, sub in sub_jaxprs(eqn.params))
 
 
 # -- the plain loop ----------------------------------------------------------------

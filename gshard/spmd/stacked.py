@@ -60,6 +60,9 @@ def stack_as_read(graph: Graph) -> int:
   """Lay out each scan residual as the loops that read it use it, where the
   loop that makes it holds that layout already. Changes the tensors'
   shardings in ``graph``; returns how many residuals moved."""
+  ys = [(b, link) for b in graph.bounds if (link := _link(b)) is not None and link[2]]
+  if not ys:                 # no scan stacks a value: nothing to read
+    return 0
   mesh = graph.mesh_sizes
   readers: dict[Tensor, list[Bound]] = {}
   for b in graph.bounds:
@@ -68,11 +71,7 @@ def stack_as_read(graph: Graph) -> int:
         readers.setdefault(t, []).append(b)
   leaving = {graph.tensor((), v) for v in graph.top.outvars}
   moved = 0
-  for b in graph.bounds:
-    link = _link(b)
-    if link is None or not link[2]:
-      continue
-    outer, made, _ = link
+  for b, (outer, made, _) in ys:
     if (outer.fixed or outer.sharding.partial or made.sharding.partial
         or outer in leaving or outer.sharding.dims[0]
         or outer.sharding.dims[1:] != made.sharding.dims):

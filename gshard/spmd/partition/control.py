@@ -23,6 +23,7 @@ from jax import lax
 from jax.extend import source_info_util
 from jax.extend.core import Literal
 
+from gshard.spmd.graph import sub_jaxprs
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.generic import seed
 from gshard.spmd.sharding import TensorSharding
@@ -301,12 +302,9 @@ def _live_custom_lins(jaxpr, live_out=None) -> set[int]:
     if eqn.primitive.name == "custom_lin":
       found.add(id(eqn))
     live.update(v for v in eqn.invars if not isinstance(v, Literal))
-    for key, sub in eqn.params.items():
-      for j in sub if isinstance(sub, (tuple, list)) else (sub,):
-        inner = getattr(j, "jaxpr", j)
-        if hasattr(inner, "eqns"):
-          call = key == "jaxpr" and len(inner.outvars) == len(eqn.outvars)
-          found |= _live_custom_lins(inner, outs if call else None)
+    for path, inner in sub_jaxprs(eqn.params):
+      call = path == ("jaxpr",) and len(inner.outvars) == len(eqn.outvars)
+      found |= _live_custom_lins(inner, outs if call else None)
   return found
 
 

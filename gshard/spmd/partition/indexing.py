@@ -31,13 +31,18 @@ from gshard.spmd.partition.plan import factor_rule_of, note_options, plan_local
 from gshard.spmd.sharding import TensorSharding
 
 
+def _wide():
+  """The platform's int: int32, int64 under x64."""
+  return jax.dtypes.canonicalize_dtype(jnp.int64)
+
+
 def _index(x, n: int):
   """An index of any integer dtype as the platform's int (int32; int64 under
   x64), with the arithmetic below done there: a narrow dtype would wrap a
   device's row offset (uint8 token ids into 300 rows), and a value past the
   wide int (a uint32 start of 2**32 - 1) is clamped to ``n`` first (past the
   end either way)."""
-  wide = jax.dtypes.canonicalize_dtype(jnp.int64)
+  wide = _wide()
   x = jnp.asarray(x)
   if jnp.iinfo(x.dtype).max > jnp.iinfo(wide).max:
     x = jnp.minimum(x, jnp.asarray(n, x.dtype))
@@ -85,7 +90,7 @@ def _clamped_local(ctx: Context, eqn, ins, scope, *, window, blocked=frozenset()
   starts = [ctx.reshard(v, TensorSharding.replicated(0), eqn, f"operand {first + d}")
             for d, v in enumerate(ins[first:])]
   # in the platform's int: a bound past a narrow dtype's range would wrap
-  wide = jax.dtypes.canonicalize_dtype(jnp.int64)
+  wide = _wide()
   clamped = [Value(jnp.clip(_index(v.x, n), 0, max(0, n - w)) if not v.literal
                    else np.asarray(min(max(int(v.x), 0), max(0, n - w)), wide),
                    TensorSharding.replicated(0), (), wide, literal=v.literal)
