@@ -193,6 +193,16 @@ def test_a_users_own_type_error_keeps_its_cause():
   assert isinstance(e.value.__cause__, KeyError)
 
 
+def test_a_non_array_output_names_the_users_function():
+  """jax's error for a string among the outputs names the traced function:
+  the user's, as ``jax.jit``'s does (it named gshard's inner ``fresh``)."""
+  def step_with_a_name(x):
+    return x * 2, "a name"
+  with pytest.raises(TypeError, match=r"function step_with_a_name at .*test_api_errors\.py:"
+                                      r".*not a valid JAX type"):
+    gshard.partition(step_with_a_name, mesh(*M24), in_specs=P("data"))(jnp.ones((8, 4)))
+
+
 def test_jax_debug_nans_names_the_primitive_and_the_users_line():
   """With jax_debug_nans, jax.jit re-runs op by op and raises at the
   primitive; a partitioned step raised jax's InternalFloatingPointError

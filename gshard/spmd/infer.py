@@ -197,6 +197,7 @@ def bind_axis_names(fn: Callable, names: Sequence[str], batched: bool = False) -
 
 
 def _bind_axis(fn, name, batched: bool):
+  @functools.wraps(fn)
   def bound(*args):
     if not batched:
       outs = jax.vmap(fn, in_axes=None, out_axes=0, axis_name=name, axis_size=1)(*args)
@@ -210,7 +211,9 @@ def _bind_axis(fn, name, batched: bool):
 def _fresh(fn):
   """``fn`` under a new identity: jax keys its traces by the function, not by
   gshard's mesh context, which ``pipeline.run`` and the annotations read while
-  tracing (a ``jax.jit(f)`` first made ``partition(f)`` run the plain loop)."""
+  tracing (a ``jax.jit(f)`` first made ``partition(f)`` run the plain loop).
+  It keeps ``fn``'s name and line, which jax's errors name."""
+  @functools.wraps(fn)
   def fresh(*args):
     return fn(*args)
   return fresh
