@@ -5,9 +5,11 @@ used) and weighs candidate choices by the bytes their reshards send:
 propagation's choice for the whole equation; the operands' own layout
 (compute where the data is, then reshard the result: GShard's einsum option
 (a)); for a contraction, the result's layout with the operands moved first
-(option (c)); for a table lookup or its scatter-add gradient, the operands'
-layout with a split the lookup would gather or leave pending moved to another
-dim of the same operand first (an all-to-all). It gives the operand and
+(option (c)); for a table lookup or its scatter-add gradient, and for
+``concatenate`` / ``split`` along a split dim, the operands' layout with a
+split the op would gather or leave pending moved to another dim of the same
+operand first (an all-to-all; the result then moves back the same way, as
+GSPMD does). It gives the operand and
 result shardings of the cheapest, and a contraction's alternatives with their
 bytes for ``explain()`` (:class:`Option`). ``generic.bind_local`` runs a plan.
 """
@@ -25,6 +27,10 @@ from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
 from gshard.spmd.sharding import TensorSharding, fit_axes, itemsize
+
+# ops that cut or join pieces along a dim (blocked from a split): their
+# operands' split moves to another dim first where that sends less than a gather
+PIECES = frozenset({"concatenate", "split"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +114,10 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   the result: GShard's einsum option (a), which turns a split moving from G
   to E in MoE dispatch into one all-to-all instead of gathering the
   operands); for a contraction, the result's (option (c)); for a lookup
-  (LOOKUPS), the operands' with a split they would lose moved to another of
-  the operand's dims (``_relocations``). The one that sends fewer bytes wins;
-  ties go to the first.
+  (LOOKUPS) and for an op that cuts or joins pieces along a dim (PIECES), the
+  operands' with a split they would lose moved to another of the operand's
+  dims (``_relocations``). The one that sends fewer bytes wins; ties go to
+  the first.
   Pure in what it reads, so it is memoised (a model's repeated layers are
   planned once).
   """
@@ -123,12 +130,13 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
                   (factors.literal_mark(v.x) if v.literal else g.mark_of(scope, var))
                   if marks else None) for v, var in zip(ins, eqn.invars))
   lookup = eqn.primitive.name in LOOKUPS
+  relocate = lookup or eqn.primitive.name in PIECES
   out = tuple(_Out(None if type(var).__name__ == "DropVar" else ctx.target(scope, var),
                    tuple(var.aval.shape), var.aval.dtype,
                    g.released.get(g.tensor(scope, var), 0.0) if lookup else 0.0)
               for var in eqn.outvars)
   key = (rule, in_, operands, results, out, frozenset(blocked), bool(allow_other_reduction),
-         eqn.primitive.name in CONTRACTIONS, lookup, tuple(ctx.mesh_sizes.items()))
+         eqn.primitive.name in CONTRACTIONS, relocate, tuple(ctx.mesh_sizes.items()))
   try:
     hash(key)
   except TypeError:          # a dtype jax cannot hash: plan it anew
@@ -142,7 +150,7 @@ def _plan_memo(*key) -> LocalPlan:
 
 
 def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_reduction,
-          contraction, lookup, mesh_items) -> LocalPlan:
+          contraction, relocate, mesh_items) -> LocalPlan:
   mesh = dict(mesh_items)
   candidates = [factors.solve(rule, operands, results, mesh)]
   if any(r is not None for r in results):
@@ -159,7 +167,7 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
       made[k] = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction, seedable)
   plans = [made[k] for k in keys]
   base = min(1, len(plans) - 1)          # the operands' own layout
-  if len(made) == 1 and not (contraction or lookup):   # one candidate: nothing to weigh
+  if len(made) == 1 and not (contraction or relocate):   # one candidate: nothing to weigh
     return plans[0]
   cost = {k: _plan_cost(mesh, ins, outs, p) for k, p in made.items()}
   costs = [cost[k] for k in keys]
@@ -168,7 +176,7 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
   # memory an expert's layout does not spend (GShard's caveat on (c)).
   grows = [_operand_growth(mesh, ins, p) for p in plans]
   eligible = [k for k in range(len(plans)) if k < 2 or not grows[k]]
-  if lookup and min(costs[k] for k in eligible) > 0:
+  if relocate and min(costs[k] for k in eligible) > 0:
     # Moving an operand's split to another of its dims first (an all-to-all)
     # where the plans above would gather it or leave its sum pending: the
     # FSDP embedding lookup all-to-alls its table from the vocabulary to the

@@ -4,8 +4,9 @@
 ``rev`` along a split dim whose result stays split the same way exchange a
 halo (``partition/halo.py``; often none) or permute whole blocks (``rev``:
 device i gets block n-1-i) and run locally. When no dim can stay split, the
-generic rule gathers it (its sharding rule blocks it). ``concatenate`` along a
-split dim has no rule here: the generic rule gathers that dim.
+generic rule gathers it (its sharding rule blocks it). ``concatenate`` and
+``split`` along a split dim have no rule here: the generic plan moves the
+split to another dim first (``PIECES`` in ``partition/plan.py``) or gathers.
 """
 
 from __future__ import annotations
