@@ -215,11 +215,24 @@ def linear_solve_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
 
 def checkpoint_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
-  """``jax.checkpoint``: the per-device program keeps the rematerialisation."""
+  """``jax.checkpoint``: the per-device program keeps the rematerialisation.
+
+  The recomputation jax's AD made (``differentiated=True``) reads its
+  operands through an optimization barrier, as jax lowers it: without one
+  XLA merged the recomputed forward back into the forward pass, and the
+  residuals the checkpoint meant to drop were kept."""
   inner = eqn.params["jaxpr"]
   sub = scope + ((idx, ("jaxpr",)),)
   meta: list[Value] = []
   live = [i for i, v in enumerate(ins) if not v.literal]
+  cse = eqn.params.get("prevent_cse", True)
+  cse = cse if isinstance(cse, tuple) else (cse,) * len(ins)
+  if eqn.params.get("differentiated") and any(cse[i] for i in live):
+    fenced = [i for i in live if cse[i]]
+    xs = lax.optimization_barrier([ins[i].x for i in fenced])
+    ins = list(ins)
+    for i, x in zip(fenced, xs):
+      ins[i] = dataclasses.replace(ins[i], x=x)
 
   def body(*xs):
     args = list(ins)
