@@ -44,6 +44,7 @@ import sys
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 _META = "gshard"                 # our key in the checkpoint's custom metadata
 _FORMAT = 1
@@ -113,6 +114,32 @@ def _flatten(tree, what: str):
 def _stored(x):
   """What is written for a leaf: a padded node's padded array, else the leaf."""
   return x.data if is_padded(x) else x
+
+
+def _is_key(x) -> bool:
+  """Whether ``x`` (an array or struct) holds typed PRNG keys."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _written(x):
+  """The array written for a leaf: typed keys as their key data (uint32), which
+  orbax pads and truncates between layouts as it does any array (keys it
+  does not: a key leaf restored for another padding came back with the
+  padding rows, or failed inside orbax)."""
+  x = _stored(x)
+  return jax.random.key_data(x) if _is_key(x) else x
+
+
+def _data_target(x):
+  """The restore target of a key leaf's key data: its shape and a trailing
+  unsplit dim, on the key target's mesh."""
+  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (len(data.shape) - len(sharding.spec))
+    sharding = NamedSharding(sharding.mesh, P(*spec))
+  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
 
 
 # -- restore targets ------------------------------------------------------------------
@@ -206,11 +233,21 @@ def save(destination, state, *, step: int | None = None, force: bool = False,
   import orbax.checkpoint as ocp
 
   pairs, treedef = _flatten(state, "save")
-  stored = jax.tree_util.tree_unflatten(treedef, [_stored(x) for _, x in pairs])
+  for name, x in pairs:
+    if not (is_padded(x) or hasattr(x, "shape") and hasattr(x, "dtype")
+            or isinstance(x, (bool, int, float, complex, np.generic))):
+      raise TypeError(
+          f"gshard.checkpoint.save: leaf {name} is a {type(x).__name__} ({x!r:.60}), "
+          "not an array or a number; a checkpoint holds arrays. Keep it out of the "
+          "saved state (save configuration separately, e.g. as JSON beside it), or "
+          "mark it static in your pytree node.")
+  stored = jax.tree_util.tree_unflatten(treedef, [_written(x) for _, x in pairs])
   meta = {_META: {"format": _FORMAT, "leaves": {
       name: {"shape": [int(n) for n in np.shape(_stored(x))],
              "logical": [int(n) for n in np.shape(x)],
-             "dtype": _dtype_str(_stored(x))}
+             "dtype": _dtype_str(_stored(x)),
+             **({"key_impl": str(jax.random.key_impl(_stored(x)))}
+                if _is_key(_stored(x)) else {})}
       for name, x in pairs}}}
   if _is_manager(destination):
     if step is None:
@@ -319,9 +356,13 @@ def restore(source, target, *, step: int | None = None):
   _check_structure(saved, [k for k, _ in pairs], where)
   for key, x in pairs:
     _check_leaf(key, x, saved[key], where)
-  restore_target = jax.tree_util.tree_unflatten(treedef, [_stored(x) for _, x in pairs])
+  as_data = [_is_key(_stored(x)) and "key_impl" in saved[k] for k, x in pairs]
+  restore_target = jax.tree_util.tree_unflatten(
+      treedef, [_data_target(_stored(x)) if d else _stored(x)
+                for (_, x), d in zip(pairs, as_data)])
   restored = run(restore_target)
-  flat = jax.tree_util.tree_leaves(restored)
+  flat = [jax.random.wrap_key_data(r, impl=saved[k]["key_impl"]) if d else r
+          for (k, _), d, r in zip(pairs, as_data, jax.tree_util.tree_leaves(restored))]
   return jax.tree_util.tree_unflatten(
       treedef, [_with_data(x, r) if is_padded(x) else r for (_, x), r in zip(pairs, flat)])
 

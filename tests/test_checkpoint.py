@@ -363,3 +363,43 @@ def test_typed_keys_and_64_bit_leaves_keep_their_dtypes(tmp_path):
     gshard.checkpoint.save(tmp_path / "w", {"w": jnp.full(2, 2**40, jnp.int64)})
   with pytest.raises(ValueError, match="holds int64, the target wants int32"):
     gshard.checkpoint.restore(tmp_path / "w", {"w": jax.ShapeDtypeStruct((2,), jnp.int32)})
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_split_keys_restore_re_padded_for_the_target_mesh(tmp_path, impl):
+  """Six keys split over model: held as 8 (padded) for model=4, as 6 for
+  model=2. Saved either way, they restore onto either target with the keys
+  saved, bit for bit (orbax pads and truncates arrays, not typed keys: a
+  padded save came back with its 2 padding keys, a plain one failed inside
+  orbax; found by a review of checkpoints)."""
+  def step(keys):
+    return jax.vmap(lambda k: jax.random.split(k)[0])(keys)
+
+  keys = jax.random.split(jax.random.key(1, impl=impl), 6)
+  steps = {shape: gshard.partition(step, gshard.make_mesh(shape, ("data", "model")),
+                                   in_specs=(P("model"),)) for shape in ((2, 4), (4, 2))}
+  saved = {"padded": steps[(2, 4)](keys), "plain": keys}
+  assert gshard.checkpoint.is_padded(saved["padded"])
+  for name, state in saved.items():
+    want = np.asarray(jax.random.key_data(gshard.unpad(state)))
+    gshard.checkpoint.save(tmp_path / name, {"k": state})
+    for shape, s in steps.items():
+      target = gshard.checkpoint.abstract_args(s, keys)[0]
+      got = gshard.checkpoint.restore(tmp_path / name, {"k": target})["k"]
+      assert got.shape == (6,) and got.dtype == keys.dtype
+      assert gshard.checkpoint.is_padded(got) == (shape == (2, 4))
+      if gshard.checkpoint.is_padded(got):
+        assert got.data.shape == (8,)
+      np.testing.assert_array_equal(np.asarray(jax.random.key_data(gshard.unpad(got))), want)
+      np.testing.assert_array_equal(
+          np.asarray(jax.random.key_data(gshard.unpad(s(got)))),
+          np.asarray(jax.random.key_data(jax.jit(step)(gshard.unpad(state)))))
+
+
+def test_a_non_array_leaf_is_named(tmp_path):
+  """A string in the saved state: gshard's error names its path (it was
+  jax's "not a valid JAX type" from inside save, naming no leaf)."""
+  state = {"params": {"w": jnp.ones(4)}, "config": {"name": "gpt-small"}}
+  with pytest.raises(TypeError, match=r"leaf config\.name is a str \('gpt-small'\)"):
+    gshard.checkpoint.save(tmp_path / "c", state)
+  assert not (tmp_path / "c").exists()
