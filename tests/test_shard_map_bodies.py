@@ -63,3 +63,60 @@ def test_custom_derivatives_in_a_shard_map_body_equal_one_device(body, grad, spe
   want = jax.jit(fn)(x)
   got = gshard.partition(fn, m, in_specs=(P("a"),))(x)
   assert_trees_close(got, want, rtol=1e-5, atol=1e-5, what=body)
+
+
+def test_a_shard_map_bodys_collectives_are_reported():
+  """The psum a user's shard_map body runs itself is in ``collectives()`` and
+  ``explain()``, with the all-reduce's bytes (the report listed none), and a
+  scan's inside the body once per trip, as gshard counts its own."""
+  from jax import lax
+
+  from helpers_partition import hlo_collectives
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+
+  def rowpar(x, w):
+    y = lax.psum(x @ w, "model")
+    return lax.scan(lambda c, _: (c + lax.pmax(c, "data"), None), y, None, length=3)[0]
+
+  def f(x, w):
+    y = jax.shard_map(rowpar, mesh=m, in_specs=(P("data", "model"), P("model", None)),
+                      out_specs=P("data", None))(x, w)
+    return jnp.tanh(y)
+
+  x, w = jnp.ones((16, 64)), jnp.ones((64, 128))
+  low = gshard.partition(f, m, in_specs=(P("data", "model"), P("model", None))).lower(x, w)
+  cols = {c.kind: c for c in low.collectives()}
+  assert set(cols) == {"psum", "pmax"}, low.collectives()
+  block = 8 * 128 * 4                      # f32[8,128] per device
+  assert cols["psum"].bytes == 2 * 3 * block // 4 and cols["psum"].axes == ("model",)
+  assert cols["pmax"].bytes == 3 * block and cols["pmax"].axes == ("data",)
+  assert "test_shard_map_bodies.py" in cols["psum"].source
+  hlo = [c for c in hlo_collectives(low.compile().as_text(), m) if c.axes == ("model",)]
+  assert [c.nbytes for c in hlo] == [block]
+  assert "2 collectives" in low.explain().splitlines()[0]
+
+
+def test_loops_and_branches_in_a_shard_map_body_equal_one_device():
+  """A scan, a fori_loop and a cond inside a shard_map body, with collectives
+  in each: their jaxprs are typed with the varying axes, which gshard's
+  program (check_vma off) does not carry; binding them as they were, jax
+  refused the scan's carry (a jax error from gshard's frames)."""
+  from jax import lax
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+
+  def body(x, w):
+    y = lax.psum(x @ w, "model")
+    y = lax.scan(lambda c, _: (c + lax.pmax(c, "data"), None), y, None, length=3)[0]
+    y = lax.fori_loop(0, 2, lambda i, c: c * 0.5 + lax.psum(c, "model") / 4, y)
+    return lax.cond(y.sum() > 0, lambda c: c + 1, lambda c: c - lax.pmin(c, "data"), y)
+
+  def f(x, w):
+    y = jax.shard_map(body, mesh=m, in_specs=(P("data", "model"), P("model", None)),
+                      out_specs=P("data", None))(x, w)
+    return jnp.tanh(y)
+
+  x, w = jnp.linspace(-1, 1, 16 * 64).reshape(16, 64), jnp.ones((64, 128)) / 64
+  for sign in (1, -1):
+    got = gshard.partition(f, m, in_specs=(P("data", "model"), P("model", None)))(sign * x, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(sign * x, w)),
+                               rtol=1e-6, atol=1e-6)

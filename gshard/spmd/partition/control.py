@@ -273,12 +273,51 @@ def _run_manual(jaxpr, consts, args) -> list:
     elif name in ("jit", "pjit"):
       inner = eqn.params["jaxpr"]
       outs = _run_manual(inner.jaxpr, inner.consts, xs)
+    elif name in _LOOPS:
+      outs = _LOOPS[name](eqn.params, xs)
     else:   # as jax.core.eval_jaxpr binds (a custom_jvp's params become functions)
       outs = eqn.primitive.bind(*xs, **eqn.primitive.get_bind_params(eqn.params))
       outs = outs if eqn.primitive.multiple_results else [outs]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   return [read(v) for v in jaxpr.outvars]
+
+
+def _manual_fn(closed):
+  """A closed jaxpr of a shard_map body as a function run by :func:`_run_manual`."""
+  return lambda *xs: _run_manual(closed.jaxpr, closed.consts, list(xs))
+
+
+def _manual_scan(p, xs):
+  """A scan of a shard_map body, re-entered: its jaxpr's carries are typed with
+  the varying axes, which gshard's values do not carry (binding it as it is,
+  jax refused the carry's type)."""
+  consts, init, seq = (xs[:p["num_consts"]], xs[p["num_consts"]:][:p["num_carry"]],
+                       xs[p["num_consts"] + p["num_carry"]:])
+  body = _manual_fn(p["jaxpr"])
+
+  def step(carry, x):
+    out = body(*consts, *carry, *x)
+    return out[:p["num_carry"]], out[p["num_carry"]:]
+
+  carry, ys = lax.scan(step, init, seq, length=p["length"], reverse=p["reverse"],
+                       unroll=p["unroll"])
+  return list(carry) + list(ys)
+
+
+def _manual_while(p, xs):
+  cc, bc = p["cond_nconsts"], p["body_nconsts"]
+  cond, body = _manual_fn(p["cond_jaxpr"]), _manual_fn(p["body_jaxpr"])
+  return list(lax.while_loop(lambda c: cond(*xs[:cc], *c)[0],
+                             lambda c: body(*xs[cc:cc + bc], *c), xs[cc + bc:]))
+
+
+def _manual_cond(p, xs):
+  branches = [_manual_fn(b) for b in p["branches"]]
+  return list(lax.switch(xs[0], [lambda *a, b=b: b(*a) for b in branches], *xs[1:]))
+
+
+_LOOPS = {"scan": _manual_scan, "while": _manual_while, "cond": _manual_cond}
 
 
 def shard_map_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
@@ -297,8 +336,47 @@ def shard_map_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   vals = [ctx.reshard(v, TensorSharding.from_spec(s, len(v.shape)), eqn, f"operand {i}")
           for i, (v, s) in enumerate(zip(ins, p["in_specs"]))]
   outs = _run_manual(p["jaxpr"], (), [v.x for v in vals])
+  _record_manual(ctx, p["jaxpr"], 1)
   return [Value(x, TensorSharding.from_spec(s, len(v.aval.shape)), tuple(v.aval.shape),
                 v.aval.dtype) for x, s, v in zip(outs, p["out_specs"], eqn.outvars)]
+
+
+# a shard_map body's collectives: bytes sent per device, of the local operand's
+# bytes S over n devices (the ring formulas of spmd/reshard.py)
+_MANUAL = {"psum": ("psum", lambda S, n: 2 * (n - 1) * S / n),
+           "psum_invariant": ("psum", lambda S, n: 2 * (n - 1) * S / n),
+           "pmax": ("pmax", lambda S, n: 2 * (n - 1) * S / n),
+           "pmin": ("pmin", lambda S, n: 2 * (n - 1) * S / n),
+           "all_gather": ("all_gather", lambda S, n: (n - 1) * S),
+           "all_to_all": ("all_to_all", lambda S, n: (n - 1) * S / n),
+           "reduce_scatter": ("psum_scatter", lambda S, n: (n - 1) * S / n),
+           "ppermute": ("ppermute", lambda S, n: S)}
+
+
+def _record_manual(ctx: Context, jaxpr, repeat: int) -> None:
+  """Report the collectives a ``shard_map`` body runs itself, as gshard counts
+  its own: per device, a scan's ``length`` times, each branch of a cond, a
+  while body once. Their values are per-device blocks (shapes local)."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in _MANUAL:
+      names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+      names = names if isinstance(names, (tuple, list)) else (names,)
+      axes = tuple(a for a in names if a in ctx.mesh_sizes)
+      n = ctx.num_shards(axes)
+      if n == 1 or (name == "ppermute" and not eqn.params.get("perm")):
+        continue
+      kind, cost = _MANUAL[name]
+      for v in eqn.invars:
+        shape = tuple(v.aval.shape)
+        whole = TensorSharding.replicated(len(shape))
+        src = whole.with_partial(frozenset(axes)) if kind == "psum" else whole
+        nbytes = cost(int(np.prod(shape)) * np.dtype(v.aval.dtype).itemsize, n)
+        ctx.record(kind, axes, int(nbytes) * repeat, eqn, "inside jax.shard_map", src,
+                   whole, shape, v.aval.dtype)
+    for path, inner in sub_jaxprs(eqn.params):
+      trips = eqn.params["length"] if name == "scan" else 1
+      _record_manual(ctx, inner, repeat * trips)
 
 
 def _live_custom_lins(jaxpr, live_out=None) -> set[int]:
