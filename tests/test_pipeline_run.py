@@ -435,3 +435,55 @@ def test_a_random_draw_in_layer_fn_is_warned():
   with warnings.catch_warnings():
     warnings.simplefilter("error", gshard.PartitionWarning)
     gshard.partition(f(lambda p, h: jnp.tanh(h @ p["w"])), m).lower(stacked, x)
+
+
+def test_side_inputs_in_x_keep_their_dtypes_and_keys_ride_along():
+  """A bool padding mask, uint8 / int8 ids and typed PRNG keys (one per row,
+  split in each layer for its dropout) carried in x: the pipelined program
+  returns them in their own dtypes, with the plain loop's values, and warns
+  of no draw (each row draws from its own key either way). The mask came
+  back int32 (``~mask`` then flipped every bit: wrong numbers after run),
+  and typed keys crashed inside jax (found by a review of pipelines)."""
+  d = 8
+
+  def layer(p, x):
+    keys = jax.vmap(jax.random.split)(x["key"])
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.8, (d,)))(keys[:, 0])
+    h = jnp.where(keep, jnp.tanh(x["h"] @ p["w"]) / 0.8, 0.0)
+    return {**x, "h": h, "key": keys[:, 1]}
+
+  stacked = pipeline.stack([{"w": jnp.eye(d) * (i + 2) / 4} for i in range(4)])
+  x = {"h": jnp.linspace(-1, 1, 8 * d).reshape(8, d), "pad": jnp.arange(8) >= 6,
+       "ids": jnp.arange(8, dtype=jnp.uint8) + 250, "small": -jnp.arange(8, dtype=jnp.int8),
+       "key": jax.random.split(jax.random.key(0), 8)}
+
+  def f(s, x):
+    return pipeline.run(layer, s, x, num_microbatches=4)
+
+  m = mesh((4, 2), ("stage", "data"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gshard.PartitionWarning)
+    got = gshard.partition(f, m, in_specs=(P("stage"), P("data")))(stacked, x)
+  want = jax.jit(f)(stacked, x)
+  for name in ("pad", "ids", "small"):
+    assert got[name].dtype == x[name].dtype, name
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(x[name]))
+  assert got["key"].dtype == x["key"].dtype
+  np.testing.assert_array_equal(np.asarray(jax.random.key_data(got["key"])),
+                                np.asarray(jax.random.key_data(want["key"])))
+  np.testing.assert_allclose(np.asarray(got["h"]), np.asarray(want["h"]), rtol=1e-6, atol=1e-7)
+
+
+def test_a_draw_for_the_whole_micro_batch_from_a_carried_key_is_warned():
+  """A key carried in x but one row's used for every row's bits: the bits'
+  shape is the micro-batch's, not the batch's: warned as before."""
+  stacked = pipeline.stack([{"w": jnp.eye(4)} for _ in range(4)])
+  x = {"h": jnp.ones((8, 4)), "key": jax.random.split(jax.random.key(0), 8)}
+
+  def layer(p, x):
+    return {**x, "h": x["h"] * jax.random.bernoulli(x["key"][0], 0.9, x["h"].shape)}
+
+  m = mesh((4, 2), ("stage", "data"))
+  with pytest.warns(gshard.PartitionWarning, match=r"draws random numbers \(random_bits"):
+    gshard.partition(lambda s, x: pipeline.run(layer, s, x, num_microbatches=4), m,
+                     in_specs=(P("stage"), P("data"))).lower(stacked, x)
