@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -47,10 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import Literal
 
 from gshard.annotate import current_mesh_sizes
 from gshard.pipeline.executor import Config, run_schedule
+from gshard.pipeline.inputs import keys_as_data, warn_draws
 from gshard.pipeline.layout import Layout, layer_order, layout_of
 from gshard.pipeline.loss import check_loss, mean_loss
 from gshard.pipeline.schedules import Schedule
@@ -58,10 +57,7 @@ from gshard.pipeline.shift import shift
 from gshard.pipeline.stages import mask, merged, microbatches, on_stages, stage_major
 from gshard.pipeline.tables import SCHEDULES
 from gshard.pipeline.tables import schedule as make_schedule
-from gshard.spmd.graph import sub_jaxprs
-from gshard.spmd.partition.context import PartitionWarning
 from gshard.spmd.sharding import mesh_str
-from gshard.spmd.source import source_of
 
 CHUNK_WEIGHTS = "gshard_pipeline_chunk_weights"   # checkpoint_name of a tick's chunk weights
 
@@ -152,9 +148,9 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
                                                               jnp.result_type(a)), x), mb,
                   micro=True)
   if loss_fn is None:       # (with loss_fn, check_loss admits float leaves of x only)
-    x, keyed = _keys_as_data(x)
+    x, keyed = keys_as_data(x)
     layer = layer_fn if keyed is None else \
-        lambda p, h: _keys_as_data(layer_fn(p, keyed(h)))[0]
+        lambda p, h: keys_as_data(layer_fn(p, keyed(h)))[0]
     y = _pipelined(layer, stacked, x, layout, stages, num_microbatches, stage_axis, remat)
     return y if keyed is None else keyed(y)
   sched = _executed(schedule, stages, num_microbatches, layout, stage_axis, mesh)
@@ -164,23 +160,6 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
   return run_schedule(layer_fn, loss_fn, stacked, x, loss_params, targets,
                       Config(layout, sched, stage_axis, remat), forward)
 
-
-def _keys_as_data(x):
-  """``x`` with its typed PRNG key leaves as their key data (uint32), and the
-  function that wraps such a tree's leaves back (None: ``x`` has no keys).
-  The pipeline buffers, masks, shifts and collects ``x`` with arithmetic that
-  key arrays do not have; ``layer_fn`` and ``loss_fn`` still see keys."""
-  leaves, tree = jax.tree.flatten(x)
-  impls = [str(jax.random.key_impl(a)) if jax.dtypes.issubdtype(
-      jnp.result_type(a), jax.dtypes.prng_key) else None for a in leaves]
-  if not any(impls):
-    return x, None
-
-  def keyed(y):
-    return tree.unflatten([jax.random.wrap_key_data(a, impl=i) if i else a
-                           for a, i in zip(tree.flatten_up_to(y), impls)])
-  return tree.unflatten([jax.random.key_data(a) if i else a
-                         for a, i in zip(leaves, impls)]), keyed
 
 
 # -- checks ---------------------------------------------------------------------
@@ -298,56 +277,13 @@ def _check_layer_fn(layer_fn, one_layer, x, rows, micro: bool = False) -> None:
   got = traced[1]
   if micro:
     jaxpr = traced[0].jaxpr
-    _warn_draws(jaxpr, set(jaxpr.invars[len(jax.tree.leaves(one_layer)):]), rows)
+    warn_draws(jaxpr, set(jaxpr.invars[len(jax.tree.leaves(one_layer)):]), rows)
   if jax.tree.structure(got) != jax.tree.structure(want) or any(
       (a.shape, a.dtype) != (b.shape, b.dtype)
       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))):
     raise ValueError(
         f"run: layer_fn(one_layer_params, x) must return x's structure, shapes and dtypes; "
         f"for x of {want} ({rows} rows) it returned {got}.")
-
-
-_DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
-
-
-def _warn_draws(jaxpr, from_x: set, rows: int) -> None:
-  """A random draw in ``layer_fn`` (dropout) is made per micro-batch: its
-  shape (and so its values) are not the whole batch's draw the plain loop
-  makes from the same key. Not so for a draw per row from keys ``x`` carries
-  (their leading dim the rows): each row draws from its own key either way."""
-  found = _batch_draw(jaxpr, from_x, rows)
-  if found is not None:
-    draw, where = found
-    warnings.warn(PartitionWarning(
-        f"pipeline.run: layer_fn draws random numbers ({draw.primitive.name} at "
-        f"{source_of(where)}). The pipeline runs layer_fn on one micro-batch at a "
-        "time, so each draws its own bits for its rows: the values (a dropout mask) "
-        "are as random, but not the plain loop's, which draws for the whole batch at "
-        "once. For the same values, draw the randomness outside and pass it in x "
-        "(the bits, or one key per row)."), stacklevel=4)
-
-
-def _batch_draw(jaxpr, from_x: set, rows: int, outer=None):
-  """The first draw of ``jaxpr`` not made from per-row keys derived from ``x``
-  (``from_x``: its variables that depend on x) and the equation whose line
-  names it (an inner jaxpr's: its outer equation), or None."""
-  from_x = set(from_x)
-  for eqn in jaxpr.eqns:
-    reads = [not isinstance(v, Literal) and v in from_x for v in eqn.invars]
-    if eqn.primitive.name in _DRAWS:
-      key = eqn.invars[0] if eqn.invars else None
-      shape = getattr(getattr(key, "aval", None), "shape", ())
-      if not (reads and reads[0] and shape and shape[0] == rows):
-        return eqn, outer or eqn
-    for path, sub in sub_jaxprs(eqn.params):
-      call = path == ("jaxpr",) and len(sub.invars) == len(eqn.invars)
-      inner = {v for v, r in zip(sub.invars, reads) if r} if call else set()
-      found = _batch_draw(sub, inner, rows, outer or eqn)
-      if found is not None:
-        return found
-    if any(reads):
-      from_x.update(eqn.outvars)
-  return None
 
 
 # -- the plain loop ----------------------------------------------------------------
