@@ -487,3 +487,30 @@ def test_a_draw_for_the_whole_micro_batch_from_a_carried_key_is_warned():
   with pytest.warns(gshard.PartitionWarning, match=r"draws random numbers \(random_bits"):
     gshard.partition(lambda s, x: pipeline.run(layer, s, x, num_microbatches=4), m,
                      in_specs=(P("stage"), P("data"))).lower(stacked, x)
+
+
+def test_a_jitted_forward_is_traced_again_for_each_mesh():
+  """A model's jax.jit forward that calls run, called on one device first
+  (an eval), then partitioned over 4 stages, then over 2: jax's trace cache
+  reused the one-device trace (the stack all-gathered, no pipeline) and the
+  4-stage trace on 2 stages (found by a review of pipelines). Each mesh now
+  gets its own trace: ppermutes of its stages' blocks."""
+  stacked = pipeline.stack([{"w": jnp.eye(16) * (i + 2) / 8, "b": jnp.zeros(16)}
+                           for i in range(8)])
+  x = jnp.linspace(-1, 1, 16 * 16).reshape(16, 16)
+
+  @jax.jit
+  def forward(s, x):
+    return pipeline.run(tanh_layer, s, x, num_microbatches=4)
+
+  step = lambda s, x: jax.grad(lambda s: jnp.mean(forward(s, x) ** 2))(s)  # noqa: E731
+  want = jax.jit(step)(stacked, x)           # traces forward off mesh first
+  for stages in (4, 2):
+    m = mesh((stages, 8 // stages), ("stage", "data"))
+    low = gshard.partition(step, m, in_specs=(P("stage"), P("data"))).lower(stacked, x)
+    shifts = [c for c in low.collectives() if c.kind == "ppermute"]
+    assert shifts and all(c.shape[0] == stages for c in shifts), low.collectives()
+    assert not any(c.kind == "all_gather" for c in low.collectives())
+    got = low.compile()(stacked, x)
+    np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-5,
+                               atol=1e-7)

@@ -22,6 +22,7 @@ from jax import lax
 from jax.extend import source_info_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from gshard.annotate import mesh_context
 from gshard.spmd.partition.padded import logical_args, logical_struct
@@ -206,6 +207,24 @@ def _bind_axis(fn, name, batched: bool):
       outs = jax.vmap(fn, in_axes=0, out_axes=0, axis_name=name, axis_size=1)(*lead)
     return jax.tree.map(lambda y: y[0], outs)
   return bound
+
+
+# the key of jax's trace caches that names the mesh gshard traces for
+MESH_KEY = "gshard_mesh"
+
+
+def traced_for(mesh_sizes):
+  """A context in which jax keys its traces by ``mesh_sizes`` too: a jitted
+  function ``fn`` calls (a model's ``jax.jit`` forward) is traced again for
+  gshard's mesh, not reused from a trace made off it or for another mesh.
+  ``pipeline.run`` decides at trace time whether it pipelines, and over how
+  many stages: a forward traced by ``jax.jit`` on one device ran the plain
+  loop inside every later partition, and one traced for 4 stages ran 4 on 2.
+  (jax keys by its context, which holds ``set_xla_metadata``'s; the
+  partitioner drops this key from what it binds. A primitive bound with an
+  inner jaxpr of its own, a scatter's combiner, keeps it as a frontend
+  attribute: inert.)"""
+  return set_xla_metadata(**{MESH_KEY: ",".join(f"{a}={n}" for a, n in mesh_sizes.items())})
 
 
 def _fresh(fn):
@@ -457,7 +476,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
   args = logical_args(args)
   fn, in_specs = with_keywords(fn, tuple(args), in_specs)
   leaves, paths, specs = flatten_specs(in_specs, tuple(args))
-  with mesh_context(mesh_sizes):
+  with mesh_context(mesh_sizes), traced_for(mesh_sizes):
     closed, out_shape = trace(fn, args)
   timings["trace"] = time.perf_counter() - t0
   t1 = time.perf_counter()

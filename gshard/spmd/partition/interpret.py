@@ -21,6 +21,7 @@ from gshard.spmd import registry
 from gshard.spmd.partition.context import Context, PartitionWarning, Value
 from gshard.spmd.partition.generic import generic_rule, safe_rule
 from gshard.spmd.sharding import TensorSharding
+from gshard.spmd.infer import MESH_KEY
 from gshard.spmd.source import names_code, rebinding
 
 
@@ -87,5 +88,5 @@ def _user_attributes(ctx: Context, eqn):
         f"gshard: compute_on({eqn.ctx.compute_type!r}) at {ctx.source(eqn)} is not "
         "carried into the partitioned program: this equation runs on the device.",
         PartitionWarning, stacklevel=3)
-  meta = eqn.ctx.xla_metadata
+  meta = {k: v for k, v in (eqn.ctx.xla_metadata or {}).items() if k != MESH_KEY}
   return set_xla_metadata(**meta) if meta else contextlib.nullcontext()
