@@ -173,6 +173,38 @@ def test_a_limit_the_unlimited_plan_fits_is_never_refused():
     assert plan.cost.compiled_memory <= limit
     assert plan.cost.bytes <= free.cost.bytes
 
+def _deep_mlp_step(ps, x, y):
+  def loss(ps):
+    h = x
+    for w in ps:
+      h = jnp.tanh(h @ w)
+    return jnp.mean((h - y) ** 2)
+  l, g = jax.value_and_grad(loss)(ps)
+  return [p - 0.1 * gi for p, gi in zip(ps, g)], l
+
+
+def test_plans_fit_the_limit_by_the_layouts_they_realize():
+  """The annotations that realize the solver's layouts stopped at its bytes,
+  and were dropped where the program without them sent no more: on an
+  AbstractMesh (no compile) the plan returned held 5.99 MB under a 3.59 MB
+  limit, and on a concrete mesh a limit of 6.7 MB was 'no layout fits'
+  while a plan of 6.14 MB existed (found by a review of auto_shard). Under
+  a limit both now weigh memory: the plan fits by its own memory (the
+  model's on an AbstractMesh, XLA's on a mesh)."""
+  widths = [256, 512, 384, 768, 320, 640, 448, 512, 256]
+  S = jax.ShapeDtypeStruct
+  args = ([S((widths[i], widths[i + 1]), jnp.float32) for i in range(8)],
+          S((512, 256), jnp.float32), S((512, 256), jnp.float32))
+  abstract = jax.sharding.AbstractMesh((8,), ("d",))
+  for limit in (3593011.2, 2694758.4):
+    plan = gshard.auto_shard(_deep_mlp_step, abstract, memory_limit=limit,
+                             runner_up_seconds=0.0)(*args)
+    assert plan.cost.memory <= limit, (limit, plan.cost.memory)
+  plan = gshard.auto_shard(_deep_mlp_step, mesh((8,), ("d",)), memory_limit=6.7e6,
+                           runner_up_seconds=0.0)(*args)
+  assert plan.cost.compiled_memory <= 6.7e6
+
+
 def test_no_layout_fits_is_a_clear_error(m8):
   with pytest.raises(ValueError) as e:
     gshard.auto_shard(mlp_step, m8, memory_limit=2**20, **QUICK)(*mlp_args(2048, 512, 1024))
@@ -180,6 +212,26 @@ def test_no_layout_fits_is_a_clear_error(m8):
   for part in ("memory_limit=1.0 MiB", "mesh (d=8)", "smallest memory per device",
                "Raise memory_limit to at least"):
     assert part in msg, msg
+
+
+def test_a_solver_out_of_time_and_keywords_are_gshards_errors(m8, monkeypatch):
+  """The integer program out of time (HiGHS's status 1 with no assignment,
+  as a 0.01 s limit gives on an 8-layer MLP): auto_shard's TimeoutError
+  names time_limit and the fix (it was the solver's, from gshard's frames).
+  Keyword arguments: a TypeError saying to pass them by position (it was
+  Python's 'unexpected keyword argument')."""
+  import types
+
+  import scipy.optimize
+  args = mlp_args(2048, 512, 1024)
+  monkeypatch.setattr(scipy.optimize, "milp",
+                      lambda *a, **k: types.SimpleNamespace(x=None, status=1))
+  with pytest.raises(TimeoutError, match=r"time_limit=0\.5\).*Raise time_limit"):
+    gshard.auto_shard(mlp_step, m8, time_limit=0.5, runner_up_seconds=0.0)(*args)
+  monkeypatch.undo()
+  with pytest.raises(TypeError, match=r"\(\.\.\., y=\.\.\.\): give the step's arguments "
+                                      r"by position"):
+    gshard.auto_shard(mlp_step, m8)(*args[:2], y=args[2])
 
 
 def test_user_in_specs_and_annotations_are_constraints(m8):

@@ -62,9 +62,14 @@ class _Attempt:
   def key(self):
     return _program_key(self.in_specs, self.annotations)
 
-  def fits(self, limit) -> bool:
+  @property
+  def memory(self) -> float:
+    """Its compiled memory per device, else (no compile: an AbstractMesh) the model's."""
     m = self.cost.compiled_memory
-    return limit is None or m is None or m <= limit
+    return self.cost.memory if m is None else m
+
+  def fits(self, limit) -> bool:
+    return limit is None or self.memory <= limit
 
 
 def _program_key(in_specs, annotations) -> tuple:
@@ -165,9 +170,20 @@ class AutoShard:
       return AbstractMesh(tuple(self.mesh.values()), tuple(self.mesh))
     return self.mesh.abstract_mesh
 
-  def __call__(self, *args) -> Plan:
-    with mesh_scope(self.mesh):     # under jax.set_mesh of an Explicit mesh too
-      return self._search(*args)
+  def __call__(self, *args, **kwargs) -> Plan:
+    if kwargs:
+      raise TypeError(
+          f"auto_shard({self.__name__})(..., {', '.join(f'{k}=...' for k in kwargs)}): "
+          "give the step's arguments by position; the plan's in_specs are per "
+          "position, as gshard.partition's in_specs are.")
+    try:
+      with mesh_scope(self.mesh):     # under jax.set_mesh of an Explicit mesh too
+        return self._search(*args)
+    except TimeoutError as e:
+      raise TimeoutError(
+          f"auto_shard({self.__name__}, time_limit={self.opts.time_limit:g}): {e}. Raise "
+          "time_limit (the seconds the integer program may run); a larger program "
+          "needs longer.") from None
 
   def _search(self, *args) -> Plan:
     secs: dict[str, float] = {}
@@ -201,7 +217,8 @@ class AutoShard:
         s = prob.layout(t, choice) if t is not None else TensorSharding.replicated(0)
         inputs.append((var, s))
       with _gc.paused():
-        real = R.realize(jaxpr, ms, prob, choice, inputs, self.opts.min_bytes)
+        real = R.realize(jaxpr, ms, prob, choice, inputs, self.opts.min_bytes,
+                         exact=limit is not None)
       secs["realize"] = secs.get("realize", 0.0) + time.perf_counter() - t1
       tree = jax.tree_util.tree_structure(tuple(args))
       in_specs = jax.tree_util.tree_unflatten(tree, [s.to_spec() for _, s in inputs])
@@ -209,9 +226,11 @@ class AutoShard:
       annotations = real.annotations
       if annotations:
         # the solver's model is a model: keep the annotations only where the
-        # partitioned program sends fewer bytes with them than without
+        # partitioned program sends fewer bytes with them than without, or
+        # (under a limit) holds less
         with_ = evaluate(in_specs, annotations, graph=real.graph, jaxpr=jaxpr, compiled=False)
-        if evaluate(in_specs, [], compiled=False).bytes <= with_.bytes:
+        without = evaluate(in_specs, [], compiled=False)
+        if without.bytes <= with_.bytes and (limit is None or without.memory <= with_.memory):
           annotations = []
       key = _program_key(in_specs, annotations)
       cost = checked.get(key)
@@ -296,7 +315,7 @@ class AutoShard:
       # plan's memory depends on the limit, so it promises nothing)
       if not probes:              # none solved: the model's least is all there is
         raise self._infeasible(least)
-      raise self._infeasible(min(a.cost.compiled_memory for a in probes.values()))
+      raise self._infeasible(min(a.memory for a in probes.values()))
     # the fitting plans sit near the least memory (compiled memory rises in
     # plateaus): step the budget up from there, not down from the top
     budget, step = best.opts.memory_limit, IMPROVE_STEP
@@ -385,8 +404,9 @@ def auto_shard(fn: Callable, mesh, *, in_specs=None, memory_limit: float | None 
     fn: a function of arrays (a train step, say), annotated or not.
     mesh: a jax ``Mesh`` / ``AbstractMesh`` (or ``gshard.make_mesh``).
     in_specs: optional pytree prefix of the arguments with PartitionSpecs: these
-      layouts are constraints (``None`` and ``P.UNCONSTRAINED`` dims are free).
-      Annotations in ``fn`` are constraints too.
+      layouts are constraints (a ``None`` leaf, or ``P.UNCONSTRAINED`` in a
+      dim, leaves it free; a ``None`` inside a spec pins that dim unsplit, as
+      in ``gshard.partition``). Annotations in ``fn`` are constraints too.
     memory_limit: bytes one device may hold (arguments + activations, as the
       compiled program's ``memory_analysis()`` counts them), or None.
     bandwidth: relative bandwidth per mesh axis (default 1.0 each); bytes sent

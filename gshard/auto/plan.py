@@ -31,7 +31,8 @@ class Choice:
     shape, dtype: of the first of them.
     spec: the chosen PartitionSpec.
     held: bytes one device holds of these leaves.
-    runner_up: the best other layout (None when the leaf has only one).
+    runner_up: the best other layout (None when the leaf has only one, or
+      no other fits the memory limit).
     runner_up_bytes: bytes per device the best plan with the runner-up sends.
     runner_up_memory: that plan's predicted memory per device.
     runner_up_exact: the runner-up plan was solved exactly (else: the rest of
@@ -78,7 +79,9 @@ class Plan:
 
   Attributes:
     in_specs: a pytree of PartitionSpecs, one per argument leaf, for
-      ``gshard.partition(fn, mesh, in_specs=plan.in_specs)``.
+      ``gshard.partition(plan.annotate(fn), mesh, in_specs=plan.in_specs)``
+      (without ``annotate``, the program is not the one priced where the
+      plan has annotations).
     annotations: internal annotations the plan needs (:class:`Annotation`:
       source line, value, spec); apply them with :meth:`annotate` or write
       them at their source lines. Usually empty or few.

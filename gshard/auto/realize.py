@@ -49,9 +49,11 @@ def _pinned_graph(jaxpr, mesh_sizes, inputs, pins) -> Graph:
 
 
 def realize(jaxpr, mesh_sizes, prob: Problem, choice: dict[int, int],
-            inputs: list[tuple], min_bytes: int) -> Realized:
+            inputs: list[tuple], min_bytes: int, exact: bool = False) -> Realized:
   """Annotations that make propagation from ``inputs`` ((invar, layout) pairs)
-  cost, in the solver's terms, what ``choice`` costs."""
+  cost, in the solver's terms, what ``choice`` costs. ``exact`` (under a
+  memory limit): until every value is laid out as chosen, not only until
+  the bytes match (other layouts at the same bytes may hold far more)."""
   made = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for j, v in enumerate(eqn.outvars):
@@ -90,7 +92,7 @@ def realize(jaxpr, mesh_sizes, prob: Problem, choice: dict[int, int],
       real[vi] = k
     known = {vi: k for vi, k in real.items() if k >= 0}
     have = prob.best_ops({**values, **known})[0] if len(known) == len(real) else None
-    if not differ or (have is not None and have <= target * (1 + TOLERANCE) + 1.0) \
+    if not differ or (not exact and have is not None and have <= target * (1 + TOLERANCE) + 1.0) \
         or rounds > MAX_ROUNDS:
       break
     picks = _which(prob, values, real, differ, tops, made)

@@ -260,15 +260,17 @@ def _runner_ups(prob, solver, choice, inputs, mem, budget, opts) -> dict[int, Ru
   solver.solver.prepare()           # built once, before the threads read it
 
   def one(vi) -> RunnerUp:
-    left = deadline - time.perf_counter()
+    left, alt = deadline - time.perf_counter(), None
     if left > 0.5:
       try:
         alt = solver.solve(budget, forbid={vi: _same_tiling(prob.vars[vi].item, choice[vi])},
                            time_limit=min(opts.time_limit, left)).choice
         exact = True
-      except (solve.Infeasible, TimeoutError):
+      except solve.Infeasible:      # no other layout of it fits the limit
         return RunnerUp(None, float("inf"), float("inf"), True)
-    else:
+      except TimeoutError:          # out of time: the rest held fixed, as below
+        pass
+    if alt is None:
       alt, exact = _local_alternative(prob, choice, vi), False
       if alt is None:
         return RunnerUp(None, float("inf"), float("inf"), False)
