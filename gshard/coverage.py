@@ -27,7 +27,7 @@ from gshard.spmd import registry
 from gshard.spmd.graph import source_of, sub_jaxprs
 from gshard.spmd.partition.api import partition
 from gshard.spmd.partition.context import PartitionWarning
-from gshard.spmd.infer import trace
+from gshard.spmd.tracing import trace
 from gshard.spmd.partition.padded import logical_args
 from gshard.spmd.sharding import mesh_scope, mesh_sizes_of, mesh_str
 

@@ -413,3 +413,25 @@ def test_inspect_array_sharding_on_an_abstract_mesh():
   gshard.partition(f, m, in_specs=specs).lower(*args, platform="tpu")
   (got,) = seen
   assert got.spec == P("data", "model") and got.mesh == m, got
+
+
+def test_values_nothing_reads_are_not_partitioned_or_reported():
+  """jax.grad keeps the forward's loss, which the gradient does not read: it
+  was partitioned, and its all-gather reported, though XLA drops it (found
+  by a review of the reports). Dead equations are dropped before
+  propagation; an effect (a print) stays."""
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+
+  def f(x):
+    jax.debug.print("unused {}", jnp.sum(x))
+    return jax.grad(lambda x: jax.nn.log_softmax(x, axis=1)[:, 0].sum())(x)
+
+  x = jnp.linspace(-1, 1, 8 * 64).reshape(8, 64)
+  low = gshard.partition(f, m, in_specs=(P("data", "model"),)).lower(x)
+  kinds = [c.kind for c in low.collectives()]
+  assert "all_gather" not in kinds, low.collectives()
+  assert any(e.primitive.name == "debug_print" for e in low.propagation.jaxpr.eqns)
+  hlo = low.compile().as_text()
+  assert len(re.findall(r" all-gather(?:-start)?\(", hlo)) == 0
+  np.testing.assert_allclose(np.asarray(low.compile()(x)), np.asarray(jax.jit(f)(x)),
+                             rtol=1e-6, atol=1e-7)

@@ -36,7 +36,8 @@ from gshard.auto.plan import Choice, Cost, Plan
 from gshard.auto.search import Options, add_runner_ups, least_memory, search
 from gshard.auto.solve import Infeasible
 from gshard.spmd import _gc
-from gshard.spmd.infer import flatten_specs, pinned_graph, trace, traced_for
+from gshard.spmd.infer import flatten_specs, pinned_graph
+from gshard.spmd.tracing import trace, traced_for
 from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.partition.padded import logical_args

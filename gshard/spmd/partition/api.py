@@ -277,7 +277,7 @@ class Partitioned:
     prog = self._cache.get(key)
     if prog is None:
       # traced on the arguments as given, a PaddedArray as the array it stands
-      # for (infer.trace retries a layout jax refuses as the one-device program)
+      # for (tracing.trace retries a layout jax refuses as the one-device program)
       args = jax.tree_util.tree_unflatten(
           treedef, [s if is_padded(x) else x for x, s in zip(leaves, structs)])
       with _gc.paused():

@@ -21,7 +21,7 @@ from gshard.spmd import registry
 from gshard.spmd.partition.context import Context, PartitionWarning, Value
 from gshard.spmd.partition.generic import generic_rule, safe_rule
 from gshard.spmd.sharding import TensorSharding
-from gshard.spmd.infer import MESH_KEY
+from gshard.spmd.tracing import MESH_KEY
 from gshard.spmd.source import names_code, rebinding
 
 
