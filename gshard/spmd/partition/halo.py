@@ -127,7 +127,9 @@ def exchange(ctx: Context, v: Value, x, dim: int, axes, halo: Halo, fill, eqn,
   """``x`` (this device's block of ``v`` along ``dim``, possibly dilated) with
   its halo: rows from the neighbours over ``axes``, fill beyond the edges.
 
-  Each ppermute is recorded: ``rows * row bytes`` sent per device.
+  Each ppermute is recorded: ``rows * row bytes`` sent per device. A block's
+  halo is exchanged once per trace: a convolution's weight gradient reads
+  the forward's (it was sent, and reported, twice).
   """
   n = ctx.num_shards(axes)
   local = np.shape(x)[dim]
@@ -135,15 +137,20 @@ def exchange(ctx: Context, v: Value, x, dim: int, axes, halo: Halo, fill, eqn,
 
   def receive(rows: int, side: str):
     if side == "left":      # my last rows become my right neighbour's left halo
-      send, shift, edge = lax.slice_in_dim(x, local - rows, local, axis=dim), 1, 0
+      start, shift, edge = local - rows, 1, 0
     else:
-      send, shift, edge = lax.slice_in_dim(x, 0, rows, axis=dim), -1, n - 1
-    got = permute(ctx, send, axes, lambda i: i + shift if 0 <= i + shift < n else None)
+      start, shift, edge = 0, -1, n - 1
+
+    def send():
+      got = permute(ctx, lax.slice_in_dim(x, start, start + rows, axis=dim), axes,
+                    lambda i: i + shift if 0 <= i + shift < n else None)
+      ctx.record("ppermute", axes, rows * _row_bytes(x, dim), eqn,
+                 f"{role} {side} halo (dim {dim}, {rows} rows)", v.sharding, v.sharding,
+                 v.shape, v.dtype)
+      return got
+    got = ctx.once(("halo", dim, tuple(axes), rows, side), x, send)
     if not _is_zero(fill):   # the edge device received nothing: zeros, not fill
       got = jnp.where(index == edge, jnp.asarray(fill, x.dtype), got)
-    ctx.record("ppermute", axes, rows * _row_bytes(x, dim), eqn,
-               f"{role} {side} halo (dim {dim}, {rows} rows)", v.sharding, v.sharding,
-               v.shape, v.dtype)
     return got
 
   parts = []
