@@ -137,6 +137,8 @@ class Lowered:
       c = g[0]
       total = sum(x.bytes for x in g)
       times = f" x{len(g)}" if len(g) > 1 else ""
+      if c.repeat > 1:
+        times += f" (x{c.repeat} in a loop)"
       lines.append(f"  {format_bytes(total):>10}  {c.kind}[{','.join(c.axes)}]{times}  "
                    f"{c.src.format(c.shape, c.dtype)} -> {c.dst.format(c.shape, c.dtype)}")
       lines.append(f"              {c.primitive} {c.role} at {c.source}")

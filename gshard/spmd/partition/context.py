@@ -50,6 +50,8 @@ class Collective:
     shape, dtype: the value's global shape and dtype.
     source: the user's file:line.
     fallback: True for a full gather-and-recompute (the safe path).
+    repeat: how many times it runs, in loops (a ``scan`` body's ``length``);
+      ``bytes`` counts them all.
   """
 
   kind: str
@@ -63,9 +65,11 @@ class Collective:
   dtype: str
   source: str
   fallback: bool = False
+  repeat: int = 1
 
   def __str__(self) -> str:
-    return (f"{self.kind}[{','.join(self.axes)}] {self.bytes} B/device  "
+    times = f" (x{self.repeat} in a loop)" if self.repeat > 1 else ""
+    return (f"{self.kind}[{','.join(self.axes)}] {self.bytes} B/device{times}  "
             f"{self.src.format(self.shape, self.dtype)} -> "
             f"{self.dst.format(self.shape, self.dtype)}  ({self.primitive} {self.role} "
             f"at {self.source})")
@@ -224,7 +228,7 @@ class Context:
           step.kind, tuple(step.axes), int(step.bytes_per_device) * self.repeat, prim,
           role,
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
-          else str(v.dtype), src_name, bool(plan.fallback)))
+          else str(v.dtype), src_name, bool(plan.fallback), self.repeat))
     x = collectives.apply_plan(v.x, plan, v.shape, self.mesh_sizes, self.chunks_first)
     return Value(x, dst, v.shape, v.dtype)
 
@@ -248,8 +252,7 @@ class Context:
     ``nbytes`` per device, against ``eqn``."""
     self.recorder.collectives.append(Collective(
         kind, tuple(axes), int(nbytes) * self.repeat, eqn.primitive.name, role, src, dst,
-        tuple(shape),
-        str(dtype), self.source(eqn)))
+        tuple(shape), str(dtype), self.source(eqn), repeat=self.repeat))
 
   def note_choice(self, eqn, options, ins: list[Value], results) -> None:
     """Record how contraction or lookup ``eqn`` runs among ``options`` (for ``explain()``):

@@ -336,7 +336,7 @@ def shard_map_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   vals = [ctx.reshard(v, TensorSharding.from_spec(s, len(v.shape)), eqn, f"operand {i}")
           for i, (v, s) in enumerate(zip(ins, p["in_specs"]))]
   outs = _run_manual(p["jaxpr"], (), [v.x for v in vals])
-  _record_manual(ctx, p["jaxpr"], 1)
+  _record_manual(ctx, p["jaxpr"])
   return [Value(x, TensorSharding.from_spec(s, len(v.aval.shape)), tuple(v.aval.shape),
                 v.aval.dtype) for x, s, v in zip(outs, p["out_specs"], eqn.outvars)]
 
@@ -353,7 +353,7 @@ _MANUAL = {"psum": ("psum", lambda S, n: 2 * (n - 1) * S / n),
            "ppermute": ("ppermute", lambda S, n: S)}
 
 
-def _record_manual(ctx: Context, jaxpr, repeat: int) -> None:
+def _record_manual(ctx: Context, jaxpr) -> None:
   """Report the collectives a ``shard_map`` body runs itself, as gshard counts
   its own: per device, a scan's ``length`` times, each branch of a cond, a
   while body once. Their values are per-device blocks (shapes local)."""
@@ -372,11 +372,11 @@ def _record_manual(ctx: Context, jaxpr, repeat: int) -> None:
         whole = TensorSharding.replicated(len(shape))
         src = whole.with_partial(frozenset(axes)) if kind == "psum" else whole
         nbytes = cost(int(np.prod(shape)) * np.dtype(v.aval.dtype).itemsize, n)
-        ctx.record(kind, axes, int(nbytes) * repeat, eqn, "inside jax.shard_map", src,
+        ctx.record(kind, axes, int(nbytes), eqn, "inside jax.shard_map", src,
                    whole, shape, v.aval.dtype)
     for path, inner in sub_jaxprs(eqn.params):
-      trips = eqn.params["length"] if name == "scan" else 1
-      _record_manual(ctx, inner, repeat * trips)
+      with _repeated(ctx, eqn.params["length"] if name == "scan" else 1):
+        _record_manual(ctx, inner)
 
 
 def _live_custom_lins(jaxpr, live_out=None) -> set[int]:
