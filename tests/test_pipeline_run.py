@@ -514,3 +514,16 @@ def test_a_jitted_forward_is_traced_again_for_each_mesh():
     got = low.compile()(stacked, x)
     np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-5,
                                atol=1e-7)
+
+
+def test_a_balanced_stack_run_without_balance_names_it():
+  """Leaves of pipeline.stack(..., balance=[2,2,2,2]) are [4, 2, ...]; run
+  without balance= takes [2, ...] as one layer's parameters, and its error
+  blamed layer_fn alone (found by a review of pipelines): it now shows one
+  layer's parameter shapes and names balance=."""
+  stacked = pipeline.stack([{"w": jnp.eye(8)} for _ in range(8)], balance=[2, 2, 2, 2])
+  f = lambda s, x: pipeline.run(lambda p, h: jnp.tanh(h @ p["w"]), s, x,  # noqa: E731
+                                num_microbatches=4)
+  with pytest.raises(ValueError, match=r"had shapes \[\(2, 8, 8\)\].*pass the same balance="):
+    gshard.partition(f, mesh((4, 2), ("stage", "data")),
+                     in_specs=(P("stage"), P("data")))(stacked, jnp.ones((16, 8)))

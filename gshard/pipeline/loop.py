@@ -281,9 +281,13 @@ def _check_layer_fn(layer_fn, one_layer, x, rows, micro: bool = False) -> None:
   if jax.tree.structure(got) != jax.tree.structure(want) or any(
       (a.shape, a.dtype) != (b.shape, b.dtype)
       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+    shapes = sorted({tuple(a.shape) for a in jax.tree.leaves(one_layer)})[:3]
     raise ValueError(
         f"run: layer_fn(one_layer_params, x) must return x's structure, shapes and dtypes; "
-        f"for x of {want} ({rows} rows) it returned {got}.")
+        f"for x of {want} ({rows} rows) it returned {got}. One layer's parameters "
+        f"had shapes {shapes}: if the stack was built with pipeline.stack(..., "
+        "balance=...) (leaves [stages, layers per stage, ...]), pass the same balance= "
+        "to run.")
 
 
 # -- the plain loop ----------------------------------------------------------------
