@@ -477,3 +477,17 @@ def test_a_collective_in_a_scan_says_how_often_it_runs():
   looped = [c for c in low.collectives() if c.repeat == 5]
   assert looped and all(c.bytes % 5 == 0 for c in looped), low.collectives()
   assert "(x5 in a loop)" in str(looped[0]) and "(x5 in a loop)" in low.explain()
+
+
+def test_an_annotation_whose_result_is_unused_still_lays_out_its_operand():
+  """``gshard.split(x, ...)`` written as if it acted in place: its result is
+  unused, but it is kept through the dead-equation pass, and x is split as
+  it says (as before the pass)."""
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+
+  def f(x):
+    gshard.split(x, 0, "data")
+    return jnp.exp(x)
+
+  low = gshard.partition(f, m).lower(jnp.ones((8, 4)))
+  assert low.propagation.in_shardings[0].dims[0] == ("data",)

@@ -191,16 +191,22 @@ def non_array_error(fn: Callable, name: str, args, error: Exception) -> Exceptio
   return error
 
 
+# annotations: kept where their result is unused (their operand's layout)
+_PINS = frozenset({"sharding_annotation", "sharding_constraint"})
+
+
 def live_only(closed):
   """``closed`` without the top-level equations whose results nothing reads
   (``jax.grad`` keeps the forward's loss, which its gradient does not need):
   they were partitioned, and their collectives reported, though XLA drops
-  them. An equation with effects (a callback, a print) stays."""
+  them. An equation with effects (a callback, a print) stays, and so does an
+  annotation whose result is unused (``gshard.split(x, ...)`` written as if
+  it acted in place): it still says how its operand is laid out."""
   jaxpr = closed.jaxpr
   live = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
   kept = []
   for eqn in reversed(jaxpr.eqns):
-    if eqn.effects or any(v in live for v in eqn.outvars):
+    if eqn.effects or eqn.primitive.name in _PINS or any(v in live for v in eqn.outvars):
       kept.append(eqn)
       live.update(v for v in eqn.invars if not isinstance(v, Literal))
   if len(kept) == len(jaxpr.eqns):
