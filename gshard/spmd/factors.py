@@ -107,31 +107,6 @@ def unproject(dims_factors, choice, size_of, mesh) -> list[Axes]:
   return dims
 
 
-@functools.lru_cache(maxsize=4096)
-def carrying(rule: FactorRule) -> FactorRule:
-  """``rule`` as propagation solves it: each group of ``rule.carried`` one
-  factor, not blocked, of the whole's size (the largest; a piece too short
-  for the split keeps what it can hold, as :func:`propagate.refine` fits
-  axes to each tensor). ``rule`` itself where it carries nothing."""
-  if not rule.carried:
-    return rule
-  sizes, rename = dict(rule.sizes), {}
-  for group in rule.carried:
-    first, *rest = sorted(group)
-    sizes[first] = max(sizes[f] for f in group)
-    for f in group:
-      rename[f] = first
-    for f in rest:
-      del sizes[f]
-
-  def named(tensors):
-    return tuple(tuple(tuple(rename.get(f, f) for f in d) for d in t) for t in tensors)
-
-  return dataclasses.replace(rule, operands=named(rule.operands), results=named(rule.results),
-                             sizes=tuple(sorted(sizes.items())),
-                             blocked=rule.blocked - frozenset(rename), carried=())
-
-
 # -- choosing axes per factor ------------------------------------------------------
 
 @dataclasses.dataclass

@@ -87,7 +87,7 @@ def refine(t: Tensor, new_dims: Sequence[Axes], mesh) -> bool:
 def step(bound: Bound, mesh, defer_ties: bool = False) -> tuple[bool, bool]:
   """One constraint step: solve its factors, refine its tensors. Whether any
   changed, and whether the solve left a tie to other constraints."""
-  rule = factors.carrying(bound.rule)
+  rule = bound.rule
   choice, tied = factors.solve_tied(rule, bound.operands, bound.results, mesh, defer_ties)
   if not choice:
     return False, tied           # every factor unsplit: nothing to refine

@@ -51,10 +51,6 @@ class FactorRule:
       needs a cross-device reduction of that kind (not a pending sum).
     blocked: factors that must not be split (sorted dim, cumsum axis, ...).
     linear: how a pending partial sum of an operand may reach the result.
-    carried: groups of blocked factors (the concatenated dim of each piece
-      and of the whole) that propagation treats as one factor: a split
-      crosses the op, and the partitioner moves the data (``PIECES`` in
-      ``partition/plan.py``). Locally each stays blocked.
   """
 
   operands: tuple[Dims, ...]
@@ -64,7 +60,6 @@ class FactorRule:
   other_reduction: frozenset[str] = frozenset()
   blocked: frozenset[str] = frozenset()
   linear: str = "none"
-  carried: tuple[frozenset[str], ...] = ()
 
   def __post_init__(self):
     if self.linear not in LINEARITIES:
@@ -95,8 +90,6 @@ class FactorRule:
         s += f" {label}={{{''.join(sorted(fs))}}}"
     if self.linear != "none":
       s += f" linear={self.linear}"
-    for group in self.carried:
-      s += f" carried={{{''.join(sorted(group))}}}"
     return s
 
 

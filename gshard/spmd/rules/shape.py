@@ -7,7 +7,6 @@ propagation does not carry a split across it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from gshard.spmd.partition import shape as partition
@@ -182,36 +181,26 @@ def rev_rule(in_avals, out_avals, *, dimensions, **params) -> FactorRule:
 
 def _pieces_along(ins, outs, whole, dim: int, linear: str) -> FactorRule:
   """Tensors cut into pieces along ``dim`` of the ``whole`` shape: every other
-  dim shares a factor; ``dim`` gets a blocked factor per tensor, the group
-  carried (a split of the pieces is a split of the whole: propagation
-  crosses the op, the partitioner moves the rows)."""
+  dim shares a factor; ``dim`` gets a blocked factor per tensor."""
   new = Factors()
   shared = [new(n) for n in whole]
-  cut = []
 
   def dims(shape):
-    out = []
-    for i, n in enumerate(shape):
-      if i == dim:
-        cut.append(new(n, blocked=True))
-        out.append((cut[-1],))
-      else:
-        out.append((shared[i],))
-    return out
+    return [(new(n, blocked=True),) if i == dim else (shared[i],)
+            for i, n in enumerate(shape)]
 
-  rule = new.rule([dims(s) for s in ins], [dims(s) for s in outs], linear=linear)
-  return dataclasses.replace(rule, carried=(frozenset(cut),))
+  return new.rule([dims(s) for s in ins], [dims(s) for s in outs], linear=linear)
 
 
 def concatenate_rule(in_avals, out_avals, *, dimension, **params) -> FactorRule:
-  """``concatenate([f32[2,3], f32[2,5]], 1)`` is ``aB,aC->aD blocked={BCD} carried={BCD}``."""
+  """``concatenate([f32[2,3], f32[2,5]], 1)`` is ``aB,aC->aD blocked={BCD}``."""
   del params
   outs = shapes(out_avals)
   return _pieces_along(shapes(in_avals), outs, outs[0], dimension, "sum")
 
 
 def split_rule(in_avals, out_avals, *, axis, **params) -> FactorRule:
-  """``split(f32[2,8], sizes=(3,5), axis=1)`` is ``aB->aC,aD blocked={BCD} carried={BCD}``."""
+  """``split(f32[2,8], sizes=(3,5), axis=1)`` is ``aB->aC,aD blocked={BCD}``."""
   del params
   ins = shapes(in_avals)
   return _pieces_along(ins, shapes(out_avals), ins[0], axis, "unary")
