@@ -120,3 +120,41 @@ def test_loops_and_branches_in_a_shard_map_body_equal_one_device():
     got = gshard.partition(f, m, in_specs=(P("data", "model"), P("model", None)))(sign * x, w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(sign * x, w)),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_custom_derivatives_with_loops_in_a_shard_map_body():
+  """A custom_jvp and a custom_vjp function whose bodies loop, inside a
+  shard_map body: their values and the partitioned gradient equal jax's (jax
+  refused the loops' carries from gshard's frames). Their own derivative
+  rules are not carried into gshard's program, so differentiating the
+  partitioned function through them is gshard's error naming the fix, not
+  another derivative."""
+  from jax import lax
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+
+  @jax.custom_jvp
+  def cj(y):
+    return lax.scan(lambda c, _: (jnp.sin(c), None), y, None, length=2)[0]
+  cj.defjvp(lambda p, t: (cj(p[0]), t[0]))
+
+  @jax.custom_vjp
+  def cv(y):
+    return lax.fori_loop(0, 2, lambda i, c: jnp.cos(c), y)
+  cv.defvjp(lambda y: (cv(y), None), lambda r, g: (g,))
+
+  def body(x, w):
+    return cv(cj(lax.psum(x @ w, "model")))
+
+  def f(x, w):
+    return jnp.tanh(jax.shard_map(body, mesh=m, in_specs=(P("data", "model"), P("model", None)),
+                                  out_specs=P("data", None))(x, w)).sum()
+
+  x, w = jnp.linspace(-1, 1, 16 * 64).reshape(16, 64), jnp.ones((64, 32)) / 64
+  specs = (P("data", "model"), P("model", None))
+  np.testing.assert_allclose(float(gshard.partition(f, m, in_specs=specs)(x, w)),
+                             float(jax.jit(f)(x, w)), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(gshard.partition(jax.grad(f), m, in_specs=specs)(x, w)),
+                             np.asarray(jax.jit(jax.grad(f))(x, w)), rtol=1e-6, atol=1e-7)
+  with pytest.raises(NotImplementedError, match=r"custom_jvp_call with a loop inside a "
+                     r"jax.shard_map body.*gshard.partition\(jax.grad\(f\)"):
+    jax.grad(lambda x: gshard.partition(f, m, in_specs=specs)(x, w))(x)

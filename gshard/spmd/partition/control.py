@@ -275,12 +275,40 @@ def _run_manual(jaxpr, consts, args) -> list:
       outs = _run_manual(inner.jaxpr, inner.consts, xs)
     elif name in _LOOPS:
       outs = _LOOPS[name](eqn.params, xs)
+    elif name in ("custom_jvp_call", "custom_vjp_call") and _loops_in(eqn.params):
+      # its function, as jax evaluates it forward (the loops inside re-entered;
+      # bound as it is, jax refused their carries' types); its own derivative
+      # rule is not carried, so differentiating gshard's program through it
+      # is an error, not another derivative
+      outs = _underivable(_manual_fn(eqn.params["call_jaxpr"]), name)(*xs)
     else:   # as jax.core.eval_jaxpr binds (a custom_jvp's params become functions)
       outs = eqn.primitive.bind(*xs, **eqn.primitive.get_bind_params(eqn.params))
       outs = outs if eqn.primitive.multiple_results else [outs]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   return [read(v) for v in jaxpr.outvars]
+
+
+def _underivable(fn, name: str):
+  """``fn``, with an error where it is differentiated."""
+  @jax.custom_jvp
+  def f(*xs):
+    return fn(*xs)
+
+  @f.defjvp
+  def f_jvp(primals, tangents):
+    raise NotImplementedError(
+        f"gshard: a {name} with a loop inside a jax.shard_map body runs in gshard's "
+        "program without its derivative rule, so the partitioned function cannot be "
+        "differentiated through it. Differentiate inside instead: "
+        "gshard.partition(jax.grad(f), mesh, ...).")
+  return f
+
+
+def _loops_in(params) -> bool:
+  """Whether the inner jaxprs of ``params`` run a scan, while or cond."""
+  return any(e.primitive.name in _LOOPS or _loops_in(e.params)
+             for _, j in sub_jaxprs(params) for e in j.eqns)
 
 
 def _manual_fn(closed):
