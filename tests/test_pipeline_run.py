@@ -527,3 +527,38 @@ def test_a_balanced_stack_run_without_balance_names_it():
   with pytest.raises(ValueError, match=r"had shapes \[\(2, 8, 8\)\].*pass the same balance="):
     gshard.partition(f, mesh((4, 2), ("stage", "data")),
                      in_specs=(P("stage"), P("data")))(stacked, jnp.ones((16, 8)))
+
+
+def test_the_bubble_gate_keeps_no_weight_sized_mask_per_tick():
+  """The bubble gate's JVP selects tangents with a mask of each value's
+  shape; linearised as it was, that mask was a residual of every layer's
+  weights (and activations) in every tick, bool[T, S, 1, D, H]: temporary
+  memory 2.3 MB where 1.1 MB held before the gate became a JVP rule
+  (found re-running the pipeline benchmark). It is rebuilt from the [K]
+  flags in the backward pass now."""
+  import jax.extend
+  d, hidden = 64, 256
+  stacked = pipeline.stack([{"w1": jnp.ones((d, hidden)) / d, "w2": jnp.ones((hidden, d)) / hidden}
+                            for _ in range(8)])
+  x = jnp.ones((256, d))
+
+  def layer(p, h):
+    return h + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+
+  def loss(s, x):
+    return jnp.mean(pipeline.run(layer, s, x, num_microbatches=16) ** 2)
+
+  low = gshard.partition(jax.grad(loss), mesh((4,), ("stage",)),
+                         in_specs=(P("stage"), None)).lower(stacked, x)
+
+  def stacked_outs(j):
+    for e in j.eqns:
+      if e.primitive.name == "scan":
+        yield from e.outvars
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        yield from stacked_outs(sub)
+
+  weight_shapes = {(d, hidden), (hidden, d)}
+  masks = [v.aval for v in stacked_outs(low.per_device_jaxpr())
+           if v.aval.dtype == np.bool_ and tuple(v.aval.shape[-2:]) in weight_shapes]
+  assert not masks, masks
