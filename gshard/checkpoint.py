@@ -46,6 +46,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gshard.spmd.collectives import is_key, key_shape
+
 _META = "gshard"                 # our key in the checkpoint's custom metadata
 _FORMAT = 1
 
@@ -118,8 +120,7 @@ def _stored(x):
 
 def _is_key(x) -> bool:
   """Whether ``x`` (an array or struct) holds typed PRNG keys."""
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  return hasattr(x, "dtype") and is_key(x.dtype)
 
 
 def _written(x):
@@ -134,12 +135,12 @@ def _written(x):
 def _data_target(x):
   """The restore target of a key leaf's key data: its shape and a trailing
   unsplit dim, on the key target's mesh."""
-  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  shape = tuple(x.shape) + key_shape(x)
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (len(data.shape) - len(sharding.spec))
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     sharding = NamedSharding(sharding.mesh, P(*spec))
-  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+  return jax.ShapeDtypeStruct(shape, np.uint32, sharding=sharding)
 
 
 # -- restore targets ------------------------------------------------------------------

@@ -37,7 +37,7 @@ from gshard.auto.search import Options, add_runner_ups, least_memory, search
 from gshard.auto.solve import Infeasible
 from gshard.spmd import _gc
 from gshard.spmd.infer import flatten_specs, pinned_graph
-from gshard.spmd.tracing import trace, traced_for
+from gshard.spmd.tracing import trace
 from gshard.spmd.inspect import format_bytes
 from gshard.spmd.partition.api import Partitioned, partition
 from gshard.spmd.partition.padded import logical_args
@@ -192,7 +192,7 @@ class AutoShard:
     ms = self.mesh_sizes
     args = logical_args(args)
     leaves, paths, specs = flatten_specs(self.in_specs, tuple(args))
-    with mesh_context(ms), traced_for(ms), _gc.paused():   # as partition builds: spmd/_gc.py
+    with mesh_context(ms), _gc.paused():     # as gshard.partition builds: spmd/_gc.py
       closed, _ = trace(self.fn, args)
       jaxpr = closed.jaxpr
       graph = pinned_graph(jaxpr, ms, leaves, paths, specs)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
+from gshard.spmd.collectives import is_key
 from gshard.spmd.graph import sub_jaxprs
 from gshard.spmd.partition.context import PartitionWarning
 from gshard.spmd.source import source_of
@@ -25,16 +26,16 @@ def keys_as_data(x):
   The pipeline buffers, masks, shifts and collects ``x`` with arithmetic that
   key arrays do not have; ``layer_fn`` and ``loss_fn`` still see keys."""
   leaves, tree = jax.tree.flatten(x)
-  impls = [str(jax.random.key_impl(a)) if jax.dtypes.issubdtype(
-      jnp.result_type(a), jax.dtypes.prng_key) else None for a in leaves]
-  if not any(impls):
+  dtypes = [jnp.result_type(a) for a in leaves]
+  keyed = [is_key(d) for d in dtypes]
+  if not any(keyed):
     return x, None
 
-  def keyed(y):
-    return tree.unflatten([jax.random.wrap_key_data(a, impl=i) if i else a
-                           for a, i in zip(tree.flatten_up_to(y), impls)])
-  return tree.unflatten([jax.random.key_data(a) if i else a
-                         for a, i in zip(leaves, impls)]), keyed
+  def wrap(y):
+    return tree.unflatten([jax.random.wrap_key_data(a, dtype=d) if k else a
+                           for a, d, k in zip(tree.flatten_up_to(y), dtypes, keyed)])
+  return tree.unflatten([jax.random.key_data(a) if k else a
+                         for a, k in zip(leaves, keyed)]), wrap
 
 
 _DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})

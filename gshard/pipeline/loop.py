@@ -161,7 +161,6 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
                       Config(layout, sched, stage_axis, remat), forward)
 
 
-
 # -- checks ---------------------------------------------------------------------
 
 def _where(mesh) -> str:

@@ -28,7 +28,7 @@ from gshard.spmd.graph import Graph, source_of
 from gshard.spmd.propagate import Conflict, conflicts, propagate
 from gshard.spmd.sharding import (TensorSharding, check_spec_entries, mesh_scope,
                                   mesh_sizes_of, mesh_str, open_dims_of_spec)
-from gshard.spmd.tracing import live_only, non_array_error, trace, traced_for
+from gshard.spmd.tracing import live_only, non_array_error, trace
 
 # Frames inside gshard are not the user's source line.
 source_info_util.register_exclusion(__file__.rsplit("/spmd/", 1)[0])
@@ -309,7 +309,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
   args = logical_args(args)
   fn, in_specs = with_keywords(fn, tuple(args), in_specs)
   leaves, paths, specs = flatten_specs(in_specs, tuple(args))
-  with mesh_context(mesh_sizes), traced_for(mesh_sizes):
+  with mesh_context(mesh_sizes):
     closed, out_shape = trace(fn, args)
   closed = live_only(closed)
   timings["trace"] = time.perf_counter() - t0

@@ -3,8 +3,8 @@ alone does not do for it.
 
 - pmap-style collectives over names no transformation binds are bound with
   size 1 (:func:`bind_axis_names`);
-- the function is traced afresh for gshard's mesh, nested ``jax.jit``
-  functions included (:func:`traced_for`);
+- the function is traced afresh for gshard's mesh (the one its annotations
+  read), nested ``jax.jit`` functions included (:func:`traced_for`);
 - arguments jax's explicit-sharding rules refuse are traced as the one-device
   program, and a non-array argument is gshard's error (:func:`trace`);
 - equations whose results nothing reads are dropped (:func:`live_only`).
@@ -12,6 +12,7 @@ alone does not do for it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -23,6 +24,7 @@ from jax import lax
 from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from gshard.annotate import current_mesh_sizes
 from gshard.spmd.graph import sub_jaxprs
 from gshard.spmd.partition.padded import logical_args
 from gshard.spmd.sharding import caller_mesh_scope
@@ -155,6 +157,12 @@ _EXPLICIT_CALLS = ("cannot contain axis names that are of type Auto",
 
 
 def _trace(fn, args):
+  mesh = current_mesh_sizes()     # the mesh gshard traces for, if any
+  with traced_for(mesh) if mesh else contextlib.nullcontext():
+    return _trace_bound(fn, args)
+
+
+def _trace_bound(fn, args):
   names: list[str] = []
   while True:
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,8 @@ from jax.extend.core import Literal
 from gshard.spmd.graph import sub_jaxprs
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.generic import seed
-from gshard.spmd.sharding import TensorSharding
+from gshard.spmd.reshard import allreduce_bytes
+from gshard.spmd.sharding import TensorSharding, itemsize
 
 
 def _stacked(s: TensorSharding) -> TensorSharding:
@@ -371,10 +373,10 @@ def shard_map_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
 # a shard_map body's collectives: bytes sent per device, of the local operand's
 # bytes S over n devices (the ring formulas of spmd/reshard.py)
-_MANUAL = {"psum": ("psum", lambda S, n: 2 * (n - 1) * S / n),
-           "psum_invariant": ("psum", lambda S, n: 2 * (n - 1) * S / n),
-           "pmax": ("pmax", lambda S, n: 2 * (n - 1) * S / n),
-           "pmin": ("pmin", lambda S, n: 2 * (n - 1) * S / n),
+_MANUAL = {"psum": ("psum", allreduce_bytes),
+           "psum_invariant": ("psum", allreduce_bytes),
+           "pmax": ("pmax", allreduce_bytes),
+           "pmin": ("pmin", allreduce_bytes),
            "all_gather": ("all_gather", lambda S, n: (n - 1) * S),
            "all_to_all": ("all_to_all", lambda S, n: (n - 1) * S / n),
            "reduce_scatter": ("psum_scatter", lambda S, n: (n - 1) * S / n),
@@ -399,7 +401,7 @@ def _record_manual(ctx: Context, jaxpr) -> None:
         shape = tuple(v.aval.shape)
         whole = TensorSharding.replicated(len(shape))
         src = whole.with_partial(frozenset(axes)) if kind == "psum" else whole
-        nbytes = cost(int(np.prod(shape)) * np.dtype(v.aval.dtype).itemsize, n)
+        nbytes = cost(math.prod(shape) * itemsize(v.aval.dtype), n)
         ctx.record(kind, axes, int(nbytes), eqn, "inside jax.shard_map", src,
                    whole, shape, v.aval.dtype)
     for path, inner in sub_jaxprs(eqn.params):
