@@ -491,3 +491,25 @@ def test_an_annotation_whose_result_is_unused_still_lays_out_its_operand():
 
   low = gshard.partition(f, m).lower(jnp.ones((8, 4)))
   assert low.propagation.in_shardings[0].dims[0] == ("data",)
+
+
+def test_the_trace_key_stays_out_of_the_program():
+  """gshard keys jax's trace caches by its mesh with a set_xla_metadata key
+  while it traces; a combiner jaxpr bound as it is (scatter-add, a generic
+  reduce_window) carried it into the StableHLO as a frontend attribute, so a
+  data-parallel program's text differed from GSPMD's by it alone. The
+  user's own metadata still reaches the program."""
+  from jax import lax
+  from jax.experimental.xla_metadata import set_xla_metadata
+  m = gshard.make_mesh((2, 4), ("data", "model"))
+
+  def f(x, i, u):
+    with set_xla_metadata(mine="yes"):
+      w = lax.reduce_window(x, 1.0, lax.mul, (1, 2), (1, 2), "VALID")
+    return x.at[i].add(u), w
+
+  x = jnp.linspace(0.5, 1, 64).reshape(8, 8)
+  low = gshard.partition(f, m, in_specs=(P("data", "model"), None, None)).lower(
+      x, jnp.array([1, 3]), jnp.ones((2, 8)))
+  text = low.as_text()
+  assert "gshard_mesh" not in text and 'mine = "yes"' in text

@@ -26,7 +26,7 @@ from jax.extend.core import Literal
 
 from gshard.spmd.graph import sub_jaxprs
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import seed
+from gshard.spmd.partition.generic import seed, unkeyed
 from gshard.spmd.reshard import allreduce_bytes
 from gshard.spmd.sharding import TensorSharding, itemsize
 
@@ -284,7 +284,7 @@ def _run_manual(jaxpr, consts, args) -> list:
       # is an error, not another derivative
       outs = _underivable(_manual_fn(eqn.params["call_jaxpr"]), name)(*xs)
     else:   # as jax.core.eval_jaxpr binds (a custom_jvp's params become functions)
-      outs = eqn.primitive.bind(*xs, **eqn.primitive.get_bind_params(eqn.params))
+      outs = eqn.primitive.bind(*xs, **eqn.primitive.get_bind_params(unkeyed(eqn.params)))
       outs = outs if eqn.primitive.multiple_results else [outs]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import reduction_identity
+from gshard.spmd.partition.generic import reduction_identity, unkeyed
 from gshard.spmd.partition.halo import (Halo, blocked_reason, check_shape, dilate, halo_plan,
                                         haloed, plan_with_halos, role_with)
 from gshard.spmd.partition.plan import factor_rule_of, note_options
@@ -205,7 +205,7 @@ def pool_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
       x = dilate(xs[i], j, geo.dilation, fills[i])
       xs[i] = haloed(ctx, vals[i], x, j, axes, geo.halo, fills[i], eqn, f"operand {i}")
     padding[j], base_dilation[j] = (0, 0), 1
-  params = dict(p, padding=tuple(padding), base_dilation=tuple(base_dilation))
+  params = unkeyed(dict(p, padding=tuple(padding), base_dilation=tuple(base_dilation)))
   outs = eqn.primitive.bind(*xs, **params)
   outs = list(outs) if eqn.primitive.multiple_results else [outs]
   res = []
@@ -273,7 +273,7 @@ def select_and_scatter_add_rule(ctx: Context, eqn, ins, scope, idx) -> list[Valu
     xo = haloed(ctx, op, xo, j, axes, geo.operand, ident, eqn, "operand 1")
     padding[j] = (0, 0)
     crops.append((j, geo.keep, np.shape(op.x)[j]))
-  y = eqn.primitive.bind(xs, xo, **dict(p, padding=tuple(padding)))
+  y = eqn.primitive.bind(xs, xo, **unkeyed(dict(p, padding=tuple(padding))))
   for j, keep, local in crops:
     config = [(0, 0, 0)] * y.ndim
     config[j] = (max(0, -keep), max(0, keep + local - np.shape(y)[j]), 0)

@@ -19,9 +19,11 @@ import functools
 import math
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from gshard.spmd import registry
 from gshard.spmd.collectives import is_key, zeros
@@ -29,21 +31,49 @@ from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.plan import LocalPlan, factor_rule_of, note_options, plan_local
 from gshard.spmd.sharding import TensorSharding
+from gshard.spmd.tracing import MESH_KEY
 
 __all__ = ["bind_local", "generic_rule", "identity_rule", "local_params", "mask_padding",
            "reduction_identity", "safe_rule"]
 
 
 def local_params(eqn, out_local_shapes, in_local_shapes) -> dict:
-  """The equation's params with shape-carrying ones made per-device."""
+  """The equation's params with shape-carrying ones made per-device, and an
+  inner jaxpr bound as it is (a scatter's or a reduce's combiner) without
+  the trace's mesh key (``tracing.traced_for``)."""
   params = dict(eqn.params)
   for k in ("sharding", "out_sharding"):
     if k in params:
       params[k] = None
+  params = unkeyed(params)
   fix = _LOCAL_PARAMS.get(eqn.primitive.name)
   if fix is not None:
     params = fix(params, out_local_shapes, in_local_shapes, eqn)
   return params
+
+
+def unkeyed(params: dict) -> dict:
+  """``params`` with each inner jaxpr bound as it is (a scatter's or a
+  reduce's combiner) made without the trace's mesh key (:func:`_unkeyed`)."""
+  out = dict(params)
+  for k, v in params.items():
+    if isinstance(v, Jaxpr):
+      out[k] = _unkeyed(v)
+    elif isinstance(v, ClosedJaxpr):
+      out[k] = ClosedJaxpr(_unkeyed(v.jaxpr), v.consts)
+  return out
+
+
+def _unkeyed(jaxpr):
+  """``jaxpr`` with its equations' context made without the mesh key (it
+  lowered as a frontend attribute: the program's text differed from
+  GSPMD's by it); the user's ``set_xla_metadata``, which the interpreter
+  binds this equation under, is kept."""
+  if not any(MESH_KEY in (e.ctx.xla_metadata or {}) for e in jaxpr.eqns):
+    return jaxpr
+  ctx = jax.make_jaxpr(lambda x: -x)(np.float32(0)).eqns[0].ctx   # the current context
+  return jaxpr.replace(eqns=[e.replace(ctx=ctx) if MESH_KEY in (e.ctx.xla_metadata or {})
+                             else e for e in jaxpr.eqns])
 
 
 def _shape_param(name):

@@ -26,7 +26,7 @@ from jax.lax import GatherScatterMode
 from gshard.spmd import factors
 from gshard.spmd.collectives import zeros
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import bind_local
+from gshard.spmd.partition.generic import bind_local, unkeyed
 from gshard.spmd.partition.plan import factor_rule_of, note_options, plan_local
 from gshard.spmd.sharding import TensorSharding
 
@@ -317,8 +317,8 @@ def _rewritten(eqn, **params):
   """``eqn`` for rewritten indices (local rows, masked or out-of-bounds
   ones): no longer sorted or unique, so it claims neither (a backend may
   rely on those hints)."""
-  return eqn.replace(params={**eqn.params, "indices_are_sorted": False,
-                             "unique_indices": False, **params})
+  return eqn.replace(params=unkeyed({**eqn.params, "indices_are_sorted": False,
+                                     "unique_indices": False, **params}))
 
 
 def _real_index_rows(ctx: Context, indices: Value):
