@@ -72,9 +72,8 @@ def traced_for(mesh_sizes):
   many stages: a forward traced by ``jax.jit`` on one device ran the plain
   loop inside every later partition, and one traced for 4 stages ran 4 on 2.
   (jax keys by its context, which holds ``set_xla_metadata``'s; the
-  partitioner drops this key from what it binds. A primitive bound with an
-  inner jaxpr of its own, a scatter's combiner, keeps it as a frontend
-  attribute: inert.)"""
+  partitioner drops this key from what it binds, inner jaxprs bound as they
+  are included: ``partition.generic.unkeyed``.)"""
   return set_xla_metadata(**{MESH_KEY: ",".join(f"{a}={n}" for a, n in mesh_sizes.items())})
 
 
