@@ -145,6 +145,31 @@ def test_a_users_own_table_and_the_asynchronous_1f1b():
     check(tanh_layer, layers, lp, x, t, step(stacked, lp, x, t), {}, sched.name)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+def test_data_parallel_gradients_are_summed_once_after_the_tick_loop(schedule):
+  # with a data axis, each tick's weight and loss-parameter gradients are
+  # partial sums over data: they stay pending through the action's
+  # conditional and the running sums, and one all-reduce after the loop
+  # resolves them (with the loss parameters' sum over the stages), the bytes
+  # of one gradient; no data-axis collective runs per tick
+  k, m, dp = 4, 8, 2
+  layers, lp, x, t = _inputs(jax.random.PRNGKey(2), tanh_layers, 2 * k, 32)
+  stacked = pipeline.stack(layers)
+  step = gshard.partition(piped(tanh_layer, m, schedule=schedule),
+                          mesh((dp, k), ("data", "stage")),
+                          in_specs=(param_specs(layers), P(), P("data"), P("data")))
+  low = step.lower(stacked, lp, x, t)
+  on_data = [c for c in low.collectives() if "data" in c.axes]
+  assert on_data and all(c.repeat == 1 for c in on_data), low.explain()
+  # the stack's gradient (2 layers per stage, w and b) and the loss
+  # parameters' (over data and stages), each all-reduced once
+  f32 = 4
+  stack_bytes = 2 * (D * D + D) * f32
+  assert sum(c.bytes for c in on_data if c.axes == ("data",)) == stack_bytes, low.explain()
+  got = step(stacked, lp, x, t)
+  check(tanh_layer, layers, lp, x, t, got, {}, f"{schedule} data {dp}")
+
+
 def random_table(rng, k, m, v, split, idle):
   """A random valid table: each tick, each stage runs one of its ready actions
   (chosen at random) or, with probability ``idle``, waits."""

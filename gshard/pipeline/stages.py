@@ -137,7 +137,7 @@ class Stage:
           lambda wl, res, ct: self.pieces.backward((wl, self.shared), res, ct), (0, 0, 0))(
               wl, res, ct)
       dw, ds, dh = self._masked(on, dw, ds, dh, ct)
-      return (self._pin(dh), add_into(acc, ds)), self._pin(dw)
+      return (self._pin(dh), add_into(acc, ds)), dw
     (dh, ds), dw = lax.scan(body, (self._pin(ct), self._zero_shared(k)),
                             (w, self.active, saved), reverse=True)
     return dh, dw, ds
@@ -163,7 +163,7 @@ class Stage:
       if on is not None:
         keep = lambda g: jnp.where(mask(on, g), g, jnp.zeros((), g.dtype))
         dw, ds = jax.tree.map(keep, dw), jax.tree.map(keep, ds)
-      return add_into(acc, ds), self._pin(dw)
+      return add_into(acc, ds), dw
     ds, dw = lax.scan(body, self._zero_shared(k), (w, self.active, kept))
     return dw, ds
 

@@ -363,6 +363,14 @@ def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> fro
 #              the carry may be pending over any axes, ANY, until the loop's
 #              body says which: the partitioner keeps the init on the first
 #              device of those axes and zeros elsewhere, a sum that is the init.
+#   "branch":  every branch's result j linked to the cond's result j: each
+#              passes, the result is pending over the axes every branch leaves
+#              pending (a branch's ZERO, the zeros ``lax.cond(p, f, zeros)``
+#              returns, any), and a branch sums the axes the result does not
+#              keep. Only one branch runs, so its terms are the sum.
+#   "layout":  a link of dims only (a ``stage_switch``'s index to its results):
+#              nothing passes, and the result's sum is left to its other
+#              producers (ANY).
 
 
 class _Mark:
@@ -383,7 +391,7 @@ ZERO = _Mark("ZERO")
 # sum it adds nothing (like ZERO), so the sum takes its other operands' axes
 ANY = _Mark("ANY")
 # linearities that read a literal's mark (others see every literal as None)
-READS_LITERALS = frozenset({"sum", "select"})
+READS_LITERALS = frozenset({"sum", "select", "branch"})
 
 
 def literal_mark(val) -> _Mark | None:
@@ -409,6 +417,8 @@ def lets_through(linear: str, partials: Sequence[frozenset[str] | None], i: int)
   """Whether operand ``i``'s pending sum passes to the result of the op."""
   if linear == "select":
     return i > 0 and not partials[0] and lets_through("sum", partials[1:], i - 1)
+  if linear == "branch":     # what the result does not keep, the branch sums
+    return True
   partials = _table(linear, partials)     # in a sum, ``i`` (pending) only reads live[0]
   live = [p for p in partials if p is not None]
   if linear == "unary":

@@ -180,10 +180,17 @@ class Graph:
         var = inner.invars[i] if kind == "sub_in" else inner.outvars[i]
         return self.tensor(scope + ((idx, path),), var)
 
+      def mark(ref: Ref):
+        kind, path, i = ref
+        if kind == "in":
+          return self.mark_of(scope, eqn.invars[i])
+        if kind == "sub_out":       # a branch's result (zeros: lax.cond(p, f, zeros))
+          return self.mark_of(scope + ((idx, path),), subs[path].outvars[i])
+        return None
+
       def bind(c: Constraint) -> Bound:
         marks = () if c.rule.linear not in factors.READS_LITERALS else tuple(
-            (k, m) for k, (kind, _, i) in enumerate(c.operands)
-            if kind == "in" and (m := self.mark_of(scope, eqn.invars[i])) is not None)
+            (k, m) for k, ref in enumerate(c.operands) if (m := mark(ref)) is not None)
         return Bound(c.rule, [resolve(r) for r in c.operands],
                      [resolve(r) for r in c.results], eqn, scope, marks)
 

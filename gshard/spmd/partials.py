@@ -21,12 +21,7 @@ value on its way whose psum costs no more (``mean(x @ w, axis=0)``: after
 the reduction, before the division): summed before what follows, as the
 one-device program sums (a lookup's sum is the partitioner's to place).
 
-**Sum before a reduce-scatter** (:func:`sum_before_scatter`, after the
-marking). A contraction whose result's layout splits a dim over the axes it
-reduces over is resolved by a reduce-scatter; where several of them are only
-added together (q, k and v's input gradients with a residual stream split on
-d_model), they stay pending with that dim unsplit and the sum is
-reduce-scattered once.
+**Sum before a reduce-scatter**: ``spmd/sum_scatter.py``, after the marking.
 """
 
 from __future__ import annotations
@@ -104,7 +99,7 @@ def accepts(b: Bound, t: Tensor, pending=None) -> bool:
              for i, o in enumerate(b.operands) if o is t)
 
 
-class _Index:
+class Index:
   """Where each tensor is produced and read: lets a round recompute a suffix,
   or only the bounds a change reaches."""
 
@@ -155,7 +150,7 @@ def _runs(jaxpr, scope) -> int:
   return n
 
 
-def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
+def _forward(graph: Graph, resolved: set[Tensor], reduced: list, index: Index,
              base: _Round | None = None, start: int = 0) -> _Round:
   """Mark pending sums in program order, from bound ``start`` on.
 
@@ -228,6 +223,16 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False,
         feeds.pop(t, None)
     return tuple((t, pending[t], 0.0, frozenset()) for t in b.results
                  if t is not None and not t.fixed)
+  if b.rule.linear == "branch":     # one per branch: the result takes what all leave
+    return _mark_branch(b, mesh, resolved, pending, feeds, runs)
+  if b.rule.linear == "layout":     # dims only: the other producers say
+    recs = []
+    for t in b.results:
+      if t is not None and not t.fixed:
+        q = frozenset() if t in resolved else factors.ANY
+        pending[t] = _meet(pending[t], q) if t in pending else q
+        recs.append((t, pending[t], 0.0, frozenset()))
+    return tuple(recs)
   p = produced(b, mesh, pending, r)
   anc = frozenset().union(*[feeds.get(o, frozenset()) | {o}
                             for o in b.operands if o is not None and pending.get(o)])
@@ -251,7 +256,37 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False,
   return tuple(recs)
 
 
-def _follow(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
+def _mark_branch(b: Bound, mesh, resolved, pending, feeds, runs: int):
+  """Every branch's result linked to the cond's result ``t``: ``t`` is pending
+  over the axes every branch's result is (a branch returning zeros: any; all
+  of them: ANY), and each branch sums, in the branch, the axes of its own
+  that ``t`` does not keep."""
+  (t,) = b.results
+  if t is None or t.fixed:
+    return ()
+  raws, q = [], factors.ANY
+  for o, src in zip(b.operands, _operand_partials(b, pending)):
+    if src is factors.ZERO or src is factors.ANY:
+      continue
+    raw = (src or frozenset()) - t.sharding.axes
+    raws.append((o, raw))
+    q = _meet(q, raw)
+  if t in resolved:
+    q = frozenset()
+  if t in pending:             # another constraint's (a stage_switch's layout link)
+    q = _meet(pending[t], q)
+  pending[t] = q
+  kept = q if q is not factors.ANY else frozenset()
+  anc = frozenset().union(*[feeds.get(o, frozenset()) | {o} for o, raw in raws if raw])
+  cost = sum(_psum_cost(t, raw - kept, mesh) for _, raw in raws if raw - kept) * runs
+  if q:
+    feeds[t] = anc
+  else:
+    feeds.pop(t, None)
+  return ((t, q, cost, anc if (q or cost) else frozenset()),)
+
+
+def _follow(graph: Graph, resolved: set[Tensor], reduced: list, index: Index,
             base: _Round, fresh: set[Tensor]) -> tuple[_Round, set[Tensor]] | None:
   """``base`` with ``fresh`` newly resolved: only the bounds the change reaches
   are marked again (the producers of ``fresh``, then the readers of every
@@ -292,7 +327,7 @@ def _follow(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
   return _Round(pending, total, downstream, feeds, contrib), touched
 
 
-def _settle(graph: Graph, resolved: set[Tensor], reduced: list, index: _Index,
+def _settle(graph: Graph, resolved: set[Tensor], reduced: list, index: Index,
             base: _Round | None = None, fresh: set[Tensor] = frozenset()) -> _Round:
   """Resolve every value some consumer cannot take pending (``resolved`` grows).
 
@@ -352,7 +387,7 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   any it shares with other pending sums, which stay). None where making it
   complete would change how another value is resolved."""
   mesh = graph.mesh_sizes
-  index = _Index(graph)
+  index = Index(graph)
   resolved = {graph.tensor((), v) for v in graph.top.outvars} - {None}
   reduced = [factors.reduced_axes(b.rule, b.operands, mesh) for b in graph.bounds]
   best = _landed(_settle(graph, resolved, reduced, index))
@@ -388,7 +423,7 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   # what follows the psum with the update, and XLA:CPU does not fold a transpose
   # into the dot. Not a lookup's (the partitioner's choice among its plans). In
   # a scan's body a trial costs the trip count times the bytes
-  # (``_Index.runs``): a sum an accumulator carries out is tried where it leaves.
+  # (``Index.runs``): a sum an accumulator carries out is tried where it leaves.
   for k, b in enumerate(graph.bounds):
     leaves = b.eqn.primitive.name in ("scan", "while") and any(
         o is not None and len(o.scope) > len(b.scope) for o in b.operands)
@@ -423,98 +458,3 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
     # per run of the lookup, as the partitioner weighs its plans
     released[t] = max(0.0, best.total - (rnd.total - own)) / index.runs[k]
   return {t: frozenset() if p is factors.ANY else p for t, p in best.pending.items()}, released
-
-
-# -- sums before a reduce-scatter ----------------------------------------------------
-
-# Elementwise ops a sum passes through unchanged: the nodes of a sum tree.
-_SUM_NODES = frozenset({"add", "add_any", "sub"})
-_CHAIN_NODES = frozenset({"neg", "convert_element_type", "copy"})
-# Producers of a partial sum over their split contracted factors: the leaves.
-_LEAVES = frozenset({"dot_general", "conv_general_dilated"})
-
-
-def sum_before_scatter(graph: Graph) -> dict[Tensor, object]:
-  """Values to keep as partial sums so that several reduce-scatters become one.
-
-  A contraction whose result's layout splits a dim over the axes it reduces
-  over (sequence parallelism's residual stream ``[B,T,D@model]`` after
-  ``x @ w`` contracting ``H@model``) is resolved by a reduce-scatter at the
-  contraction. When k such results are only added together (the input
-  gradient of q, k and v, ``add_any`` chains), adding the partial sums first
-  and reduce-scattering the total once sends 1/k of the bytes: the results,
-  and the adds between them, stay pending over those axes with the dim
-  unsplit (the same bytes per device a contraction holds before its
-  reduce-scatter); the last add's result keeps its layout, reached by one
-  reduce-scatter. A node qualifies when it is produced once by one of these
-  ops, read only by its parent, not pinned and not a program output.
-
-  Returns the new sharding of each value to change (nothing pending before).
-  """
-  mesh = graph.mesh_sizes
-  index = _Index(graph)
-  outputs = {graph.tensor((), v) for v in graph.top.outvars} - {None}
-  producer = {}
-  for t, ks in index.producers.items():
-    if t in index.regular and len(ks) == 1:
-      producer[t] = graph.bounds[ks[0]]
-
-  def prim(b) -> str:
-    return b.eqn.primitive.name if b is not None and b.eqn is not None else ""
-
-  def own(b, t) -> bool:
-    """``t`` is a direct result of ``b``'s equation (not a call's link)."""
-    return b.eqn is not None and any(
-        t is graph.tensors.get((b.scope, v)) for v in b.eqn.outvars)
-
-  def tree(t, parent, layout, axes) -> list[Tensor] | None:
-    """The nodes under ``t`` that can stay pending over ``axes``, or None."""
-    b = producer.get(t)
-    if (b is None or t.fixed or t in outputs or t.sharding != layout
-        or [c for c in index.consumers.get(t, ()) if c is not parent] or not own(b, t)):
-      return None
-    name = prim(b)
-    if name in _LEAVES:
-      return [t] if axes & factors.reduced_axes(b.rule, b.operands, mesh) else None
-    if name in _SUM_NODES | _CHAIN_NODES:
-      if name in _CHAIN_NODES and (len(b.operands) != 1 or b.rule.linear != "unary"):
-        return None   # (a narrowing float conversion is not linear: rules.elementwise)
-      nodes = [t]
-      for o in b.operands:
-        sub = None if o is None else tree(o, b, layout, axes)
-        if sub is None:
-          return None
-        nodes += sub
-      return nodes
-    return None
-
-  changes: dict[Tensor, object] = {}
-  for b in reversed(graph.bounds):
-    if prim(b) not in _SUM_NODES or len(b.results) != 1 or b.results[0] is None:
-      continue
-    r = b.results[0]
-    if r in changes or r.sharding.partial or not own(b, r):
-      continue
-    layout = r.sharding
-    # the axes every leaf reduces over and r's layout splits
-    axes = frozenset(layout.axes)
-    nodes = []
-    for o in b.operands:
-      sub = None if o is None or o in changes else tree(o, b, layout, axes)
-      if sub is None:
-        nodes = None
-        break
-      nodes += sub
-    if not nodes:
-      continue
-    leaves = [t for t in nodes if prim(producer[t]) in _LEAVES]
-    axes = frozenset.intersection(*[
-        factors.reduced_axes(producer[t].rule, producer[t].operands, mesh) for t in leaves]) \
-        & frozenset(layout.axes)
-    if len(leaves) < 2 or not axes:
-      continue
-    pending = type(layout)(tuple(tuple(a for a in d if a not in axes) for d in layout.dims),
-                           axes)
-    for t in nodes:
-      changes[t] = pending
-  return changes

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 from gshard.spmd import factors
 from gshard.spmd.graph import Bound, Graph, Tensor, source_of
-from gshard.spmd.partials import settle, sum_before_scatter
+from gshard.spmd.partials import settle
+from gshard.spmd.sum_scatter import sum_before_scatter
 from gshard.spmd.stacked import stack_as_read
 from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, short_dtype
 

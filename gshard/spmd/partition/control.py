@@ -164,11 +164,13 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
 def cond_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``cond``: one ``lax.switch`` over the partitioned branches; every branch
-  returns its results in the propagated layout."""
+  returns its results in the propagated layout, pending over the axes
+  propagation left the result pending (``_fit``: a branch's zeros, or a
+  value the branch made complete, kept on the first device of those axes)."""
   branches = eqn.params["branches"]
   index = ctx.reshard(ins[0], TensorSharding.replicated(0), eqn, "operand 0")
   ops = ins[1:]
-  out_s = [ctx.target(scope, v).without_partial() if hasattr(v, "aval") else
+  out_s = [ctx.target(scope, v) if hasattr(v, "aval") else
            TensorSharding.replicated(0) for v in eqn.outvars]
 
   def branch(k):
@@ -178,7 +180,7 @@ def cond_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     def f(*xs):
       args = [dataclasses.replace(v, x=x) for v, x in zip(ops, xs)]
       outs = ctx.run_jaxpr(br.jaxpr, sub, br.consts, args)
-      return [ctx.reshard(o, s, eqn, f"result {j}").x
+      return [_fit(ctx, o, s, eqn, f"result {j}").x
               for j, (o, s) in enumerate(zip(outs, out_s))]
     return f
 

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
+from gshard.spmd.partition.generic import seed
 from gshard.spmd.partition.halo import permute
 from gshard.spmd.partition.plan import plan_local
 from gshard.spmd.sharding import TensorSharding, itemsize
@@ -145,8 +146,8 @@ def stage_switch_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   k = eqn.invars[0].aval.shape[0]
   first = ctx.target(scope, eqn.outvars[0]).without_partial()
   axes = first.dims[kdims[0]]
-  out_s = [_with_dim(ctx.target(scope, v).without_partial(), d, axes)
-           for v, d in zip(eqn.outvars, kdims)]
+  # pending over the axes propagation left them (rules.control.cond_rule)
+  out_s = [_with_dim(ctx.target(scope, v), d, axes) for v, d in zip(eqn.outvars, kdims)]
   index = ctx.reshard(ins[0], TensorSharding((tuple(axes),)), eqn, "operand 0")
   ops = ins[1:]
   rec = ctx.recorder
@@ -159,7 +160,7 @@ def stage_switch_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
       start = len(rec.collectives)
       args = [dataclasses.replace(v, x=x) for v, x in zip(ops, xs)]
       outs = ctx.run_jaxpr(branches[b].jaxpr, sub, (), args)
-      outs = [ctx.reshard(o, s, eqn, f"result {j}").x for j, (o, s) in
+      outs = [seed(ctx.reshard(o, s, eqn, f"result {j}"), s).x for j, (o, s) in
               enumerate(zip(outs, out_s))]
       if check and any(set(c.axes) & set(axes) for c in rec.collectives[start:]):
         raise _CrossesStages

@@ -34,7 +34,13 @@ Dims = tuple[tuple[str, ...], ...]   # per dim, the factors (major first) it hol
 #   "seed":    a loop accumulator's first value: the result may be pending
 #              over any axes (the partitioner keeps the value on one device).
 #   "select":  select_n: its cases as "sum", the predicate (operand 0) unpartial.
-LINEARITIES = ("none", "unary", "sum", "product", "first", "seed", "select")
+#   "branch":  every cond branch's result linked to the cond's: each passes,
+#              the result pending over the axes every branch leaves pending (a
+#              branch returning zeros any), the others summed in the branch.
+#   "layout":  links dims only: the result's sum is another constraint's to say
+#              (a ``stage_switch``'s index to its results' stage dim).
+LINEARITIES = ("none", "unary", "sum", "product", "first", "seed", "select", "branch",
+               "layout")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -156,14 +156,21 @@ def _reads(jaxpr) -> set:
 
 def cond_rule(in_avals, out_avals, *, branches, **params) -> OpRule:
   """``cond``: every branch's invars linked to the operands, its outvars to the
-  results."""
+  results. A result may stay pending over the axes every branch leaves its
+  result pending (a branch returning zeros, ``lax.cond(p, f, zeros)``, any):
+  a weight gradient computed under a cond in a loop is summed once, after
+  the loop."""
   cons = []
   for k in range(len(branches)):
     path = ("branches", k)
     for i, a in enumerate(in_avals[1:]):
       cons.append(_link(IN(i + 1), SUB_IN(path, i), a.shape, linear="none"))
-    for j, a in enumerate(out_avals):
-      cons.append(_link(SUB_OUT(path, j), OUT(j), a.shape, linear="none"))
+  for j, a in enumerate(out_avals):     # every branch's result j, to result j
+    f = letters(len(a.shape))
+    rule = factor_rule(",".join([f] * len(branches)) + f"->{f}",
+                       [a.shape] * len(branches), [a.shape], linear="branch")
+    cons.append(Constraint(rule, tuple(SUB_OUT(("branches", k), j)
+                                       for k in range(len(branches))), (OUT(j),)))
   return OpRule(tuple(cons))
 
 

@@ -45,7 +45,8 @@ def stage_switch_rule(in_avals, out_avals, *, branches, kdims) -> OpRule:
   cons = list(cond_rule(in_avals, out_avals, branches=branches).constraints)
   for j, (a, d) in enumerate(zip(out_avals, kdims)):
     f = letters(len(a.shape))
-    cons.append(Constraint(factor_rule(f"{f[d]}->{f}", [(k,)], [a.shape]), (IN(0),), (OUT(j),)))
+    cons.append(Constraint(factor_rule(f"{f[d]}->{f}", [(k,)], [a.shape], linear="layout"),
+                           (IN(0),), (OUT(j),)))
   return OpRule(tuple(cons))
 
 
