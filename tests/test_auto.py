@@ -249,6 +249,23 @@ def test_user_in_specs_and_annotations_are_constraints(m8):
   assert plan.cost.bytes == sum(c.bytes for c in low.collectives())
 
 
+@pytest.mark.parametrize("update", ["scatter_add", "row_write"])
+def test_a_state_update_is_priced_in_the_layout_it_returns_in(m8, update):
+  # the new cache is the next value of the cache argument, so the partitioned
+  # program returns it in the cache's layout: the model prices that resharding
+  # (it priced the update's own layout, 0 B, and the program gathered 14 KiB)
+  def step(cache, idx, upd):
+    if update == "scatter_add":
+      return cache.at[idx].add(upd)
+    return jax.lax.dynamic_update_slice(cache, jnp.tanh(upd[:1]), (idx[0], 0))
+  args = (S((64, 64), F32), S((128,), jnp.int32), S((128, 64), F32))
+  for pin in (P(None, None), P(None, "d")):
+    plan = gshard.auto_shard(step, m8, in_specs=(pin, None, None), **QUICK)(*args)
+    low = gshard.partition(plan.annotate(step), m8, in_specs=plan.in_specs).lower(*args)
+    sent = sum(c.bytes for c in low.collectives())
+    assert plan.predicted_bytes == sent == plan.cost.bytes, (pin, plan, low.explain())
+
+
 def test_bad_options_are_errors(m8):
   with pytest.raises(ValueError, match="memory_limit"):
     gshard.auto_shard(mlp_step, m8, memory_limit=-1)

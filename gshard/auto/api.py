@@ -33,13 +33,14 @@ from gshard.auto import realize as R
 from gshard.auto.annotations import annotate
 from gshard.auto.memory import ProgramMemory
 from gshard.auto.plan import Choice, Cost, Plan
+from gshard.auto.problem import link_state
 from gshard.auto.search import Options, add_runner_ups, least_memory, search
 from gshard.auto.solve import Infeasible
 from gshard.spmd import _gc
 from gshard.spmd.infer import flatten_specs, pinned_graph
 from gshard.spmd.tracing import trace
 from gshard.spmd.inspect import format_bytes
-from gshard.spmd.partition.api import Partitioned, partition
+from gshard.spmd.partition.api import Partitioned, pair_state, partition
 from gshard.spmd.partition.padded import logical_args
 from gshard.spmd.sharding import TensorSharding, mesh_scope, mesh_sizes_of, mesh_str
 
@@ -193,9 +194,10 @@ class AutoShard:
     args = logical_args(args)
     leaves, paths, specs = flatten_specs(self.in_specs, tuple(args))
     with mesh_context(ms), _gc.paused():     # as gshard.partition builds: spmd/_gc.py
-      closed, _ = trace(self.fn, args)
+      closed, out_shape = trace(self.fn, args)
       jaxpr = closed.jaxpr
       graph = pinned_graph(jaxpr, ms, leaves, paths, specs)
+      link_state(graph, jaxpr, pair_state(args, out_shape))
     secs["trace"] = time.perf_counter() - t0
     structs = _structs(args)
     evaluate = self._evaluator(structs)

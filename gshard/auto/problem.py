@@ -35,7 +35,8 @@ import numpy as np
 
 from gshard.auto import layouts as L
 from gshard.spmd import factors
-from gshard.spmd.graph import Graph, Tensor, sub_jaxprs
+from gshard.spmd.graph import Bound, Graph, Tensor, sub_jaxprs
+from gshard.spmd.rules.control import identity_rule
 from gshard.spmd.sharding import TensorSharding, is_refinement
 
 # Ops whose work must be divided over every device (each mesh axis splits a factor).
@@ -258,6 +259,31 @@ def merge_values(graph: Graph) -> tuple[_Merger, set[int]]:
         [t for t in b.operands + b.results if t is not None and t.shape]):
       merged.add(id(b))
   return merger, merged
+
+
+# -- state -------------------------------------------------------------------------
+
+class _StateLink:
+  """What a state link's ``eqn`` says (no equation of the program makes it)."""
+
+  class primitive:      # noqa: N801  (read as ``eqn.primitive.name``)
+    name = "state"
+
+  params: dict = {}
+
+
+def link_state(graph: Graph, jaxpr, pairs: Mapping[int, int]) -> None:
+  """Link each output that is the next value of an input (``pairs``: flat
+  output -> flat input, ``partition.api.pair_state``) to that input, as the
+  partitioned program lays it out (``Partitioned._boundary``: in the input's
+  layout, unless an annotation pins the output): the model then prices the
+  resharding a state update's layout needs (a scatter into a cache)."""
+  for j, i in pairs.items():
+    t = graph.tensors.get(((), jaxpr.outvars[j]))
+    u = graph.tensors.get(((), jaxpr.invars[i]))
+    if t is None or u is None or t is u or t.fixed or not t.shape:
+      continue
+    graph.bounds.append(Bound(identity_rule(t.shape), [t], [u], _StateLink, ()))
 
 
 # -- building the problem ------------------------------------------------------------
