@@ -134,3 +134,32 @@ def test_a_gradient_under_cond_in_a_loop_is_summed_once_after_it():
   low = step.lower(w, xs, ys, on)
   assert low.total_bytes() == 2 * 7 * (16 * 16 * 4) // 8, low.explain()   # one all-reduce
   assert all(c.repeat == 1 for c in low.collectives()), low.explain()
+
+
+@pytest.mark.parametrize("pinned", ["out_specs", "state", "annotation"])
+def test_a_pending_sum_two_pinned_cond_results_read_is_summed_once(pinned):
+  """A branch returns a pending sum X twice ((X, 2X)), and both cond results
+  are pinned (out_specs, the next value of an input, an annotation): the
+  branch sums them in itself, and propagation prices those sums, so it sums
+  X once where it is made (one psum, not one per result)."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, 16)).astype(np.float32)
+  w = rng.standard_normal((16, 16)).astype(np.float32)
+  state = (np.zeros((8, 16), np.float32), np.ones((8, 16), np.float32))
+
+  def f(state, x, w, p):
+    def branch(x, w):
+      y = x @ w                         # pending over model
+      return y, y * 2
+    out = lax.cond(p, branch, lambda x, w: state, x, w)
+    return tuple(gshard.replicate(o) for o in out) if pinned == "annotation" else out
+
+  step = gshard.partition(f, mesh((2, 4), ("data", "model")),
+                          in_specs=(P(), P(None, "model"), P("model"), P()),
+                          out_specs=(P(), P()) if pinned == "out_specs" else None)
+  for p in (True, False):
+    got, want = step(state, x, w, p), jax.jit(f)(state, x, w, p)
+    for g, v in zip(got, want):
+      np.testing.assert_allclose(g, v, rtol=1e-5, atol=1e-5)
+  low = step.lower(state, x, w, True)
+  assert [(c.kind, c.axes) for c in low.collectives()] == [("psum", ("model",))], low.explain()

@@ -262,7 +262,7 @@ def _mark_branch(b: Bound, mesh, resolved, pending, feeds, runs: int):
   of them: ANY), and each branch sums, in the branch, the axes of its own
   that ``t`` does not keep."""
   (t,) = b.results
-  if t is None or t.fixed:
+  if t is None:
     return ()
   raws, q = [], factors.ANY
   for o, src in zip(b.operands, _operand_partials(b, pending)):
@@ -271,7 +271,7 @@ def _mark_branch(b: Bound, mesh, resolved, pending, feeds, runs: int):
     raw = (src or frozenset()) - t.sharding.axes
     raws.append((o, raw))
     q = _meet(q, raw)
-  if t in resolved:
+  if t in resolved or t.fixed:     # (a pinned result: each branch sums its own)
     q = frozenset()
   if t in pending:             # another constraint's (a stage_switch's layout link)
     q = _meet(pending[t], q)
