@@ -223,7 +223,7 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False,
         feeds.pop(t, None)
     return tuple((t, pending[t], 0.0, frozenset()) for t in b.results
                  if t is not None and not t.fixed)
-  if b.rule.linear == "branch":     # one per branch: the result takes what all leave
+  if b.rule.linear == "branch":     # every branch's result j: the cond's takes what all leave
     return _mark_branch(b, mesh, resolved, pending, feeds, runs)
   if b.rule.linear == "layout":     # dims only: the other producers say
     recs = []
