@@ -269,6 +269,17 @@ def test_moe_apply_errors():
     apply(jax.ShapeDtypeStruct((2, 4, 8), jnp.float32), num_selected=3)
   y, aux, _ = apply(jax.ShapeDtypeStruct((2, 4, 8), jnp.float32), second_policy="all")
   assert y.shape == (2, 4, 8) and aux.shape == ()
+  # experts (wg against wi, wo) and the hidden size (wi against wo) must agree
+  x = jax.ShapeDtypeStruct((2, 4, 8), jnp.float32)
+  other = jax.eval_shape(lambda: moe_init(jax.random.PRNGKey(0), 8, 12, 2))
+  for name in ("wi", "wo"):
+    bad = dict(params, **{name: other[name]})
+    with pytest.raises(ValueError, match=r"disagree on the number of experts E or the hidden "
+                       r"size H: wg \(8, 4\) is \[M, E\]"):
+      jax.eval_shape(lambda p, x: moe_apply(p, x, second_policy="all"), bad, x)
+  bad = dict(params, wi=jax.ShapeDtypeStruct((4, 8), jnp.float32))
+  with pytest.raises(ValueError, match=r"wi \[E, M, H\], wo \[E, H, M\], got .*wi \(4, 8\)"):
+    jax.eval_shape(lambda p, x: moe_apply(p, x, second_policy="all"), bad, x)
 
 
 def test_moe_apply_bf16_activations():

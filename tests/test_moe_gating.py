@@ -315,5 +315,13 @@ def test_errors():
   with pytest.raises(ValueError, match="second_policy must be 'all', 'random' or "
                      "'sampling', got 'top'"):
     top2_gating(jnp.zeros((1, 4, 4)), second_policy="top")
-  with pytest.raises(ValueError, match="capacity_factor must be positive, got 0"):
+  with pytest.raises(ValueError, match="capacity_factor must be a positive finite number, got 0"):
     expert_capacity(4, 4, capacity_factor=0)
+  for bad in (float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="capacity_factor must be a positive finite number"):
+      expert_capacity(4, 4, capacity_factor=bad)
+  with pytest.raises(ValueError, match="num_experts >= 1.*num_experts=0"):
+    expert_capacity(16, 0)
+  with pytest.raises(TypeError, match="capacity_factor and min_capacity must be Python numbers"):
+    jax.jit(lambda c: top2_gating(jnp.zeros((1, 4, 4)), capacity_factor=c,
+                                  second_policy="all"))(1.0)

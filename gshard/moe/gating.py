@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SecondPolicy = Literal["all", "random", "sampling"]
 AuxScaling = Literal["paper", "lingvo"]
@@ -81,10 +82,21 @@ def expert_capacity(group_size: int, num_experts: int, *, capacity_factor: float
     expert_capacity(16, 8, capacity_factor=0.5)     # ceil(2.0) = 2 -> min 4
     expert_capacity(2, 8)                           # min 4, capped at S = 2
   """
-  if capacity_factor <= 0:
-    raise ValueError(f"capacity_factor must be positive, got {capacity_factor}.")
+  if isinstance(capacity_factor, jax.core.Tracer) or isinstance(min_capacity, jax.core.Tracer):
+    raise TypeError(
+        "capacity_factor and min_capacity must be Python numbers, not traced values: the "
+        "capacity is a buffer size, fixed when the program is traced. Pass them as "
+        "static arguments (e.g. functools.partial, or jax.jit's static_argnames).")
+  if not (isinstance(capacity_factor, (int, float, np.number))
+          and math.isfinite(capacity_factor) and capacity_factor > 0):
+    raise ValueError(f"capacity_factor must be a positive finite number, got "
+                     f"{capacity_factor!r}. Use e.g. capacity_factor=1.0 (or 1.25 to "
+                     "drop fewer tokens).")
   if min_capacity < 1:
     raise ValueError(f"min_capacity must be >= 1, got {min_capacity}.")
+  if num_experts < 1 or group_size < 0:
+    raise ValueError(f"expert_capacity: needs num_experts >= 1 and group_size >= 0, got "
+                     f"group_size={group_size}, num_experts={num_experts}.")
   # A tiny tolerance so 2.0000000001 (float noise in capacity_factor*k*S/E) is 2.
   c = math.ceil(capacity_factor * k * group_size / num_experts - 1e-9)
   return int(min(max(c, min_capacity), group_size))

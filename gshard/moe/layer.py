@@ -94,12 +94,23 @@ def moe_apply(params, x, *, expert_axis="expert", model_axis=None, num_selected:
   if len(shapes) < 3:
     raise ValueError(f"moe_apply: params must be moe_init's {{'wg', 'wi', 'wo'}}, got keys "
                      f"{sorted(params)}.")
+  ranks = {"wg": 2, "wi": 3, "wo": 3}
+  if any(len(shapes[k]) != r for k, r in ranks.items()):
+    raise ValueError(f"moe_apply: params must be wg [M, E], wi [E, M, H], wo [E, H, M], got "
+                     f"wg {shapes['wg']}, wi {shapes['wi']}, wo {shapes['wo']}. Build them "
+                     "with moe_init(key, d_model, d_ff, num_experts).")
   m = jnp.shape(x)[-1]
   if shapes["wg"][0] != m or shapes["wi"][1] != m or shapes["wo"][2] != m:
     raise ValueError(f"moe_apply: x is {tuple(jnp.shape(x))} (d_model {m}) but params are "
                      f"for d_model {shapes['wg'][0]} (wg {shapes['wg']}, wi {shapes['wi']}, "
                      f"wo {shapes['wo']}). Make x's last dim d_model, or the params with "
                      f"moe_init(key, d_model={m}, ...).")
+  e, h = shapes["wg"][1], shapes["wi"][2]
+  if shapes["wi"][0] != e or shapes["wo"][0] != e or shapes["wo"][1] != h:
+    raise ValueError(f"moe_apply: params disagree on the number of experts E or the hidden "
+                     f"size H: wg {shapes['wg']} is [M, E], wi {shapes['wi']} [E, M, H], wo "
+                     f"{shapes['wo']} [E, H, M] (E={e} from wg, H={h} from wi). Build the "
+                     "three with one moe_init(key, d_model, d_ff, num_experts).")
   x = split(x, 0, expert_axis)
   wg = replicate(params["wg"])
   wi = shard(params["wi"], P(expert_axis, None, model_axis))
