@@ -26,7 +26,7 @@ from jax.extend.core import Literal
 
 from gshard.spmd.graph import sub_jaxprs
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import seed, unkeyed
+from gshard.spmd.partition.generic import fit, unkeyed
 from gshard.spmd.reshard import allreduce_bytes
 from gshard.spmd.sharding import TensorSharding, itemsize
 
@@ -49,14 +49,6 @@ def _repeated(ctx: Context, n: int):
     yield
   finally:
     ctx.repeat = old
-
-
-def _fit(ctx: Context, v: Value, s: TensorSharding, eqn, role: str) -> Value:
-  """``v`` laid out as ``s``, a pending sum over ``s.partial``: resharded
-  (which resolves axes ``s`` does not keep), then seeded over the axes ``v``
-  was not pending over (a value the partitioner made complete where
-  propagation left a sum pending: a lookup's moved table)."""
-  return seed(ctx.reshard(v, s, eqn, role), s)
 
 
 def _y_layout(ctx: Context, scope, sub, inner, outer) -> TensorSharding:
@@ -86,7 +78,7 @@ def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   # a carry is pending only as an accumulator (rules.control.accumulators):
   # one psum after the loop instead of one per step
   carry_s = [ctx.target(sub, invars[nc + c]) for c in range(nk)]
-  init = [_fit(ctx, ins[nc + c], s, eqn, f"carry {c}") for c, s in enumerate(carry_s)]
+  init = [fit(ctx, ins[nc + c], s, eqn, f"carry {c}") for c, s in enumerate(carry_s)]
   x_s = [ctx.target(sub, v).without_partial() for v in invars[nc + nk:]]
   xs = [ctx.reshard(v, _stacked(s), eqn, f"xs {k}")
         for k, (v, s) in enumerate(zip(ins[nc + nk:], x_s))]
@@ -97,7 +89,7 @@ def scan_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     args = consts + [Value(c, s, v.shape, v.dtype) for c, s, v in zip(carry, carry_s, init)]
     args += [_unstacked(v, s, xi) for v, s, xi in zip(xs, x_s, x)]
     outs = ctx.run_jaxpr(jaxpr, sub, closed.consts, args)
-    new = [_fit(ctx, o, s, eqn, f"carry {c}").x
+    new = [fit(ctx, o, s, eqn, f"carry {c}").x
            for c, (o, s) in enumerate(zip(outs[:nk], carry_s))]
     # a y is stacked as it comes: pending only where its value is (a lookup's
     # plan may give complete rows where propagation left a sum pending)
@@ -126,7 +118,7 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
   # pending only as an accumulator the cond does not read (rules.control)
   carry_s = [ctx.target(bsub, v) for v in body.jaxpr.invars[bn:]]
-  init = [_fit(ctx, v, s, eqn, f"carry {c}") for c, (v, s) in enumerate(zip(init, carry_s))]
+  init = [fit(ctx, v, s, eqn, f"carry {c}") for c, (v, s) in enumerate(zip(init, carry_s))]
 
   def values(xs):
     return [Value(x, s, v.shape, v.dtype) for x, s, v in zip(xs, carry_s, init)]
@@ -147,7 +139,7 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 
   def body_fun(xs):
     outs = ctx.run_jaxpr(body.jaxpr, bsub, body.consts, list(bconsts) + values(xs))
-    new = [_fit(ctx, o, s, eqn, f"carry {c} (per iteration)").x
+    new = [fit(ctx, o, s, eqn, f"carry {c} (per iteration)").x
            for c, (o, s) in enumerate(zip(outs, carry_s))]
     if not lanes:
       return new
@@ -165,7 +157,7 @@ def while_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
 def cond_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   """``cond``: one ``lax.switch`` over the partitioned branches; every branch
   returns its results in the propagated layout, pending over the axes
-  propagation left the result pending (``_fit``: a branch's zeros, or a
+  propagation left the result pending (``fit``: a branch's zeros, or a
   value the branch made complete, kept on the first device of those axes)."""
   branches = eqn.params["branches"]
   index = ctx.reshard(ins[0], TensorSharding.replicated(0), eqn, "operand 0")
@@ -180,7 +172,7 @@ def cond_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     def f(*xs):
       args = [dataclasses.replace(v, x=x) for v, x in zip(ops, xs)]
       outs = ctx.run_jaxpr(br.jaxpr, sub, br.consts, args)
-      return [_fit(ctx, o, s, eqn, f"result {j}").x
+      return [fit(ctx, o, s, eqn, f"result {j}").x
               for j, (o, s) in enumerate(zip(outs, out_s))]
     return f
 

@@ -194,6 +194,15 @@ def seed(v: Value, target: TensorSharding) -> Value:
                v.sharding.with_partial(v.sharding.partial | missing), v.shape, v.dtype)
 
 
+def fit(ctx: Context, v: Value, s: TensorSharding, eqn, role: str) -> Value:
+  """``v`` laid out as ``s``, a pending sum over ``s.partial``: resharded
+  (which resolves axes ``s`` does not keep), then seeded over the axes ``v``
+  was not pending over (a value the partitioner made complete where
+  propagation left a sum pending: a lookup's moved table; a cond branch's
+  zeros)."""
+  return seed(ctx.reshard(v, s, eqn, role), s)
+
+
 def bind_local(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
                window: windowed_einsum.Window | None = None,
                bind: Callable | None = None) -> list[Value]:

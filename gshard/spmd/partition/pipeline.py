@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from gshard.spmd.partition.context import Context, Value
-from gshard.spmd.partition.generic import seed
+from gshard.spmd.partition.generic import fit
 from gshard.spmd.partition.halo import permute
 from gshard.spmd.partition.plan import plan_local
 from gshard.spmd.sharding import TensorSharding, itemsize
@@ -160,7 +160,7 @@ def stage_switch_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
       start = len(rec.collectives)
       args = [dataclasses.replace(v, x=x) for v, x in zip(ops, xs)]
       outs = ctx.run_jaxpr(branches[b].jaxpr, sub, (), args)
-      outs = [seed(ctx.reshard(o, s, eqn, f"result {j}"), s).x for j, (o, s) in
+      outs = [fit(ctx, o, s, eqn, f"result {j}").x for j, (o, s) in
               enumerate(zip(outs, out_s))]
       if check and any(set(c.axes) & set(axes) for c in rec.collectives[start:]):
         raise _CrossesStages
