@@ -32,10 +32,11 @@ from helpers_partition import hlo_collectives, mesh
 M_, H_ = 16, 32          # d_model, expert hidden
 
 
-def _layer_step(model_axis=None, num_selected=2, capacity_factor=2.0):
+def _layer_step(model_axis=None, num_selected=2, capacity_factor=2.0, expert_axis="expert"):
   """value_and_grad of a loss of one MoE layer, w.r.t. params and tokens."""
   def loss(params, x, key):
-    y, aux, metrics = moe_apply(params, x, model_axis=model_axis, key=key,
+    y, aux, metrics = moe_apply(params, x, expert_axis=expert_axis,
+                                model_axis=model_axis, key=key,
                                 num_selected=num_selected,
                                 capacity_factor=capacity_factor)
     return jnp.sum((x + y) ** 2) + 0.1 * aux, metrics
@@ -175,6 +176,35 @@ def test_scanned_layers_four_all_to_alls_each():
   # the sums run over a layer's G * S * M squares (its routing is exact)
   assert_close_to_f64(part(params, x, key), jax.jit(step)(params, x, key),
                       f64_run(jax.jit(step), params, x, key), n=x.size)
+
+
+@settings(max_examples=10, deadline=None)
+@given(shape=st.sampled_from([(2, 4), (4, 2), (2, 2), (2, 2, 2)]),
+       order=st.sampled_from(["mesh", "reversed"]), experts_per=st.sampled_from([1, 2]),
+       capacity_factor=st.sampled_from([1.0, 2.0]), seed=st.integers(0, 3))
+def test_experts_over_a_tuple_of_mesh_axes_four_all_to_alls(shape, order, experts_per,
+                                                          capacity_factor, seed):
+  # expert_axis a tuple of mesh axes: one all-to-all over the tuple moves the
+  # dispatched tensor, as over one axis of the same size. The combine's
+  # backward once took the tuple one axis at a time, and its first step
+  # (groups split on one axis only) gathered the tokens' cotangent: an
+  # all-gather of 7 KiB and a fifth all-to-all on a (2, 4) mesh.
+  names = ("a", "b", "c")[:len(shape)]
+  axes = names if order == "mesh" else names[::-1]
+  n = int(np.prod(shape))
+  groups, experts = n, n * experts_per
+  params, x, key = _inputs(groups, 16, experts, seed=seed)
+  m = mesh(shape, names)
+  step = _layer_step(capacity_factor=capacity_factor, expert_axis=axes)
+  part = gshard.partition(step, m, in_specs=(moe_specs(axes), P(axes), P()))
+  lowered = part.lower(params, x, key)
+  cols = lowered.collectives()
+  capacity = expert_capacity(16, experts, capacity_factor=capacity_factor)
+  want = _analytic_all_to_all_bytes(experts, groups, capacity, n)
+  assert [(c.kind, c.bytes) for c in cols if c.kind != "psum"] == \
+      [("all_to_all", want)] * 4, lowered.explain()
+  got, ref = part(params, x, key), jax.jit(step)(params, x, key)
+  assert_close_to_f64(got, ref, f64_run(jax.jit(step), params, x, key), n=x.size)
 
 
 @pytest.mark.parametrize("shape", [(4, 2), (2, 4)])

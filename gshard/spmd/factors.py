@@ -275,20 +275,27 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
       if g is not None:
         # Two factors want one axis: keep the assignment that sends less.
         stay = {**done, f: tuple(keep)}
-        cut = done[g][:done[g].index(a)]
-        take = {**done, g: cut, f: tuple(keep) + (a,)}
+        take = {**done, g: done[g][:done[g].index(a)], f: tuple(keep) + (a,)}
         take_bytes = _assignment_bytes(take, pairs, rule, mesh, results)
         stay_bytes = _assignment_bytes(stay, pairs, rule, mesh, results)
+        whole = _take_rest(f, keep, choice[f], owner, done)
+        if whole is not None:
+          # f may take all the axes it still wants at once: a tuple of axes
+          # moves as one all-to-all, where taken one by one the first step
+          # gathers
+          whole_bytes = _assignment_bytes(whole, pairs, rule, mesh, results)
+          if whole_bytes < take_bytes:
+            take, take_bytes = whole, whole_bytes
         if take_bytes < stay_bytes:
-          for b in done[g][len(cut):]:
-            owner.pop(b, None)
-          done[g] = cut
+          _give(take, f, done, owner, tie=False)
+          if take is whole:
+            keep = list(whole[f])
+            owner.update({b: f for b in keep})
+            break
         elif (defer_ties and take_bytes == stay_bytes and strength[f][0] == 0
               and (strength[f][:2] == strength[g][:2]
                    or rule.reduction and strength[g][0] == 0)):
-          for b in done[g][len(cut):]:      # a tie: neither factor takes the axis
-            owner[b] = None
-          done[g] = cut
+          _give(take, f, done, owner, tie=True)   # neither factor takes them
           tied = True
           break
         else:
@@ -297,6 +304,36 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
       owner[a] = f
     done[f] = tuple(keep)
   return done, tied
+
+
+def _give(take: dict, f: str, done: dict, owner: dict, tie: bool) -> None:
+  """Cut each factor other than ``f`` to its axes in ``take``; the axes it
+  gives up are free, or on a ``tie`` left to other constraints."""
+  for h, axes in take.items():
+    if h != f and axes != done[h]:
+      for b in done[h][len(axes):]:
+        if tie:
+          owner[b] = None
+        else:
+          owner.pop(b, None)
+      done[h] = axes
+
+
+def _take_rest(f: str, keep: list[str], wanted: Axes, owner, done) -> dict | None:
+  """``done`` with factor ``f`` given every axis it still wants (from
+  ``len(keep)`` on) and each factor holding one of them cut before it; None
+  when that is at most one axis (the one-axis step covers it) or an axis is
+  left to other constraints."""
+  rest = wanted[len(keep):]
+  if len(rest) < 2 or any(b in owner and owner[b] is None for b in rest):
+    return None
+  out = dict(done)
+  for b in rest:
+    h = owner.get(b)
+    if h is not None and b in out[h]:
+      out[h] = out[h][:out[h].index(b)]
+  out[f] = tuple(keep) + tuple(rest)
+  return out
 
 
 def _assignment_bytes(choice, pairs, rule: FactorRule, mesh, results=()) -> float:
