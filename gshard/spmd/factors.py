@@ -278,7 +278,7 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
         take = {**done, g: done[g][:done[g].index(a)], f: tuple(keep) + (a,)}
         take_bytes = _assignment_bytes(take, pairs, rule, mesh, results)
         stay_bytes = _assignment_bytes(stay, pairs, rule, mesh, results)
-        whole = _take_rest(f, keep, choice[f], owner, done)
+        whole = _take_rest(f, keep, choice[f], owner, done, rule, mesh)
         if whole is not None:
           # f may take all the axes it still wants at once: a tuple of axes
           # moves as one all-to-all, where taken one by one the first step
@@ -319,13 +319,20 @@ def _give(take: dict, f: str, done: dict, owner: dict, tie: bool) -> None:
       done[h] = axes
 
 
-def _take_rest(f: str, keep: list[str], wanted: Axes, owner, done) -> dict | None:
+def _take_rest(f: str, keep: list[str], wanted: Axes, owner, done, rule: FactorRule,
+               mesh) -> dict | None:
   """``done`` with factor ``f`` given every axis it still wants (from
   ``len(keep)`` on) and each factor holding one of them cut before it; None
-  when that is at most one axis (the one-axis step covers it) or an axis is
-  left to other constraints."""
+  when that is at most one axis (the one-axis step covers it), an axis is
+  left to other constraints, ``f`` is contracted (its result would be a
+  partial sum, which the byte count prices only at its least), or the axes
+  would not split ``f`` evenly (the result's layout would not be the one
+  priced: a dim gets no more shards than elements, an uneven output leaves
+  the program even)."""
   rest = wanted[len(keep):]
-  if len(rest) < 2 or any(b in owner and owner[b] is None for b in rest):
+  if (len(rest) < 2 or f in rule.reduction
+      or any(b in owner and owner[b] is None for b in rest)
+      or rule.size_of[f] % math.prod(mesh[b] for b in wanted) != 0):
     return None
   out = dict(done)
   for b in rest:
