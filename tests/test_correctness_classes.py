@@ -396,8 +396,9 @@ _SPECIAL = [0.0, -0.0, 1.0, -2.0, 3.0, np.inf, -np.inf, np.nan]
 @given(op=st.sampled_from(["x*y", "y*x", "x*c", "c*x", "x/y", "y/x", "x/c", "c/x"]),
        dtype=st.sampled_from([jnp.float32, jnp.int32]), c=st.sampled_from(_SPECIAL),
        ys=st.lists(st.sampled_from(_SPECIAL), min_size=6, max_size=6),
-       a=st.lists(st.integers(-2, 2), min_size=24, max_size=24))
-def test_a_pending_sum_scaled_or_divided_equals_one_device(op, dtype, c, ys, a):
+       a=st.lists(st.integers(-2, 2), min_size=24, max_size=24),
+       pin=st.sampled_from([None, "out_specs", "annotation"]))
+def test_a_pending_sum_scaled_or_divided_equals_one_device(op, dtype, c, ys, a, pin):
   """``s = sum(a, axis=2)`` over a split dim; then ``s * y``, ``s / c`` ...
   with y a tensor and c a literal, zeros, infinities and NaN among them. An
   integer quotient never takes a pending sum (it truncates: (1 + 1) / 2 is not
@@ -405,7 +406,9 @@ def test_a_pending_sum_scaled_or_divided_equals_one_device(op, dtype, c, ys, a):
   after it would cost the same bytes, so the sum is resolved first, as one
   device sums: equal bit for bit, the kind of every non-finite value (inf,
   not NaN, where one device's term is 0) and the sign of every zero
-  included. Small integers: every order of the sums is exact."""
+  included. Small integers: every order of the sums is exact. The same with
+  the result pinned (``out_specs``, an annotation on it): the psum a pin makes
+  at the result was not priced, so the sum went on into the product."""
   m = mesh((4,), ("x",))
   x = np.asarray(a, np.float64).reshape(2, 3, 4).astype(dtype)
   y = np.asarray(ys, np.float64).reshape(2, 3)
@@ -417,16 +420,18 @@ def test_a_pending_sum_scaled_or_divided_equals_one_device(op, dtype, c, ys, a):
 
   def f(x, y):
     s = jnp.sum(x, axis=2)
-    return {"x*y": lambda: s * y, "y*x": lambda: y * s, "x*c": lambda: s * c,
+    out = {"x*y": lambda: s * y, "y*x": lambda: y * s, "x*c": lambda: s * c,
             "c*x": lambda: c * s, "x/y": lambda: div(s, y), "y/x": lambda: div(y, s),
             "x/c": lambda: div(s, jnp.asarray(c, s.dtype)) if dtype == jnp.int32 else s / c,
             "c/x": lambda: c / s if dtype != jnp.int32 else div(jnp.asarray(c, s.dtype), s),
             }[op]()
+    return gshard.replicate(out) if pin == "annotation" else out
 
   if dtype == jnp.int32 and op in ("y/x", "c/x"):
     x = np.where(x == 0, 1, x)      # no integer division by zero
     x[..., 1:] = 0                  # so no sum is 0 either
-  got = gshard.partition(f, m, in_specs=(P(None, None, "x"), P()))(x, y)
+  got = gshard.partition(f, m, in_specs=(P(None, None, "x"), P()),
+                         out_specs=P() if pin == "out_specs" else None)(x, y)
   want = jax.jit(f)(x, y)
   assert got.dtype == want.dtype
   got, want = np.asarray(got), np.asarray(want)

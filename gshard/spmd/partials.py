@@ -238,9 +238,16 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False,
                             for o in b.operands if o is not None and pending.get(o)])
   recs = []
   for t in b.results:
-    if t is None or t.fixed:
+    if t is None:
       continue
     raw = p - t.sharding.axes
+    if t.fixed:
+      # pinned (an annotation, out_specs, a state output): never pending; a
+      # sum its operands bring is resolved here, and booked, so that resolving
+      # it where it is made is seen to cost no more
+      if raw:
+        recs.append((t, frozenset(), _psum_cost(t, raw, mesh) * runs, anc))
+      continue
     q = frozenset() if t in resolved else raw
     if again and t in pending:
       q = _meet(pending[t], q)
