@@ -98,6 +98,32 @@ def test_donate_argnums_in_range_donate():
   assert a.is_deleted() and not b.is_deleted()
 
 
+@pytest.mark.parametrize("donate", [(0, 1), (0,), (1,)])
+def test_a_donated_array_passed_twice_is_an_error_not_a_crash(donate):
+  # `ema = params` then step(params, ema): XLA:CPU crashed the process (SIGSEGV)
+  def step(params, ema):
+    return params * 0.9, ema * 0.5 + params
+  part = gshard.partition(step, mesh(*M24), in_specs=(P("model"), P("model")),
+                          donate_argnums=donate)
+  params = part(jnp.ones((8, 4)), jnp.ones((8, 4)))[0]
+  with pytest.raises(ValueError, match=r"step: arguments 0 and 1 hold the same array "
+                     r"\(f32\[8,4\]\), and donate_argnums=.* donates it: .* Pass a copy"):
+    part(params, params)
+  assert not params.is_deleted()
+  new, ema = part(params, jnp.copy(params))          # the fix the message names
+  np.testing.assert_allclose(np.asarray(ema), np.full((8, 4), 0.9 * 0.5 + 0.9), rtol=1e-6)
+
+
+def test_one_array_twice_in_a_donated_argument_is_an_error():
+  part = gshard.partition(lambda t: (t[0] + 1, t[1] * 2), mesh(*M24), donate_argnums=0)
+  a = jnp.ones((8, 4))
+  with pytest.raises(ValueError, match=r"argument 0 holds one array \(f32\[8,4\]\) twice"):
+    part((a, a))
+  # not donated, passing one array twice is fine
+  out = gshard.partition(lambda x, y: x + y, mesh(*M24))(a, a)
+  np.testing.assert_array_equal(np.asarray(out), 2 * np.ones((8, 4)))
+
+
 # -- strict ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", ["no", 0, None])

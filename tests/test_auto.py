@@ -266,6 +266,23 @@ def test_a_state_update_is_priced_in_the_layout_it_returns_in(m8, update):
     assert plan.predicted_bytes == sent == plan.cost.bytes, (pin, plan, low.explain())
 
 
+def test_python_scalars_in_the_state(m8):
+  # a step counter 0 (as TrainState.create makes) and a float learning rate:
+  # pairing state outputs with inputs read their .shape (AttributeError)
+  def step(state, x, lr):
+    w, i = state
+    return (w - lr * x.T @ (x @ w), i + 1), jnp.sum(x @ w)
+  state, x = (np.ones((64, 64), np.float32), 0), np.ones((16, 64), np.float32)
+  plan = gshard.auto_shard(step, m8, **QUICK)(state, x, 0.1)
+  (w, i), loss = gshard.partition(plan.annotate(step), m8, in_specs=plan.in_specs)(
+      state, x, 0.1)
+  (w_ref, i_ref), loss_ref = jax.jit(step)(state, x, 0.1)
+  assert int(i) == int(i_ref) == 1
+  np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-6)
+  # 64 products of ones summed in any order: exact in f32
+  np.testing.assert_array_equal(np.asarray(w), np.asarray(w_ref))
+
+
 def test_bad_options_are_errors(m8):
   with pytest.raises(ValueError, match="memory_limit"):
     gshard.auto_shard(mlp_step, m8, memory_limit=-1)

@@ -269,6 +269,27 @@ def test_state_and_data_committed_elsewhere_are_moved(placement, order):
   assert w3.shape == w.shape
 
 
+@pytest.mark.parametrize("as_state", [False, True])
+def test_inputs_committed_to_the_same_devices_in_another_mesh_shape(as_state):
+  """Train on 2x4, evaluate on 4x2 over the same devices in the same order: a
+  table split over (data, model) on the 2x4 mesh went straight into the 4x2
+  program, and jax failed inside (IndivisibleError) mapping the outputs'
+  layouts onto the input's mesh."""
+  m24, m42 = mesh((2, 4), ("data", "model")), mesh((4, 2), ("data", "model"))
+  table = jax.device_put(np.arange(1008 * 4, dtype=np.float32).reshape(1008, 4),
+                         NamedSharding(m24, P(("data", "model"))))
+  ids = (np.arange(8, dtype=np.int32) * 100).reshape(8, 1)
+
+  def lookup(t, i):
+    return (t * 2, t[i]) if as_state else t[i]
+  step = gshard.partition(lookup, m42, in_specs=(P(("data", "model")), P("data")))
+  for _ in range(2):
+    got = step(table, ids)
+    want = jax.jit(lookup)(table, ids)
+    jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)),
+                 got, want)
+
+
 @pytest.mark.parametrize("where", ["one device", "another mesh", "its devices reversed"])
 def test_uneven_inputs_committed_elsewhere_are_padded_and_moved(where):
   """6 rows over 4 devices: padded where the input is, then moved onto the mesh

@@ -289,6 +289,44 @@ def config_key() -> tuple:
   return tuple(str(getattr(jax.config, name, None)) for name in _TRACE_SETTINGS)
 
 
+def _dtype(a):
+  """An argument's dtype; a Python scalar's as jax takes it (``1``: int32)."""
+  return a.dtype if hasattr(a, "dtype") else jax.typeof(a).dtype
+
+
+def pair_state(args, out_shape) -> dict[int, int]:
+  """Which outputs are the next value of which inputs, as flat leaf indices.
+
+  Each top-level element of a tuple (or list) output, else the whole output,
+  is matched with a positional argument of the same tree structure, leaf
+  shapes and dtypes: the argument at its own position first, else the first
+  one not matched yet.
+  """
+  def elements(xs):
+    out, k = [], 0
+    for x in xs:
+      leaves, tree = jax.tree_util.tree_flatten(x)
+      out.append((tree, tuple((tuple(np.shape(a)), str(_dtype(a))) for a in leaves), k))
+      k += len(leaves)
+    return out
+
+  ins = elements(args)
+
+  def match(outs):
+    pairs, used = {}, set()
+    for k, (tree, sig, off) in enumerate(outs):
+      order = ([k] if k < len(ins) else []) + [i for i in range(len(ins)) if i != k]
+      for i in order:
+        if sig and i not in used and ins[i][:2] == (tree, sig):
+          used.add(i)
+          pairs.update({off + n: ins[i][2] + n for n in range(len(sig))})
+          break
+    return pairs
+
+  pairs = match(elements(out_shape)) if type(out_shape) in (tuple, list) else {}
+  return pairs or match(elements((out_shape,)))
+
+
 def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
             out_specs=None) -> ShardingResult:
   """Trace ``fn(*args)``, pin ``in_specs``/``out_specs``, propagate.

@@ -30,7 +30,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from gshard.spmd import _gc, collectives, infer
 from gshard.spmd.hoist import gather_early
-from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, spec_to_pin
+from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, pair_state, spec_to_pin
 from gshard.spmd.inspect import Lowered
 from gshard.spmd.partition import nans
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
@@ -129,39 +129,6 @@ class _Place(Exception):
     self.program, self.need = program, need
 
 
-def pair_state(args, out_shape) -> dict[int, int]:
-  """Which outputs are the next value of which inputs, as flat leaf indices.
-
-  Each top-level element of a tuple (or list) output, else the whole output,
-  is matched with a positional argument of the same tree structure, leaf
-  shapes and dtypes: the argument at its own position first, else the first
-  one not matched yet.
-  """
-  def elements(xs):
-    out, k = [], 0
-    for x in xs:
-      leaves, tree = jax.tree_util.tree_flatten(x)
-      out.append((tree, tuple((tuple(a.shape), str(a.dtype)) for a in leaves), k))
-      k += len(leaves)
-    return out
-
-  ins = elements(args)
-
-  def match(outs):
-    pairs, used = {}, set()
-    for k, (tree, sig, off) in enumerate(outs):
-      order = ([k] if k < len(ins) else []) + [i for i in range(len(ins)) if i != k]
-      for i in order:
-        if sig and i not in used and ins[i][:2] == (tree, sig):
-          used.add(i)
-          pairs.update({off + n: ins[i][2] + n for n in range(len(sig))})
-          break
-    return pairs
-
-  pairs = match(elements(out_shape)) if type(out_shape) in (tuple, list) else {}
-  return pairs or match(elements((out_shape,)))
-
-
 def _body(ctx: Context, result: ShardingResult, in_sh, out_sh, avals, out_leaves):
   """The per-device program: interpret the jaxpr on local blocks, then bring each
   output to its layout (a literal output is broadcast to its local shape)."""
@@ -206,6 +173,29 @@ def _check_windowed(windowed_einsum) -> float | None:
         "ppermutes instead. Pass e.g. windowed_einsum=0 (every such dot_general) or "
         "windowed_einsum=2**20 (1 MiB and up).")
   return float(windowed_einsum)
+
+
+def _check_donated_alias(name: str, args, donated) -> None:
+  """A donated array passed twice (``ema = params``, then
+  ``step(params, ema)``) is an error before the call: XLA would free the
+  buffer while the other use still reads it (XLA:CPU crashes)."""
+  seen: dict[int, int] = {}          # id of an array -> the first argument holding it
+  for pos, arg in enumerate(args):
+    for leaf in jax.tree_util.tree_leaves(arg):
+      if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+        continue
+      first = seen.get(id(leaf))
+      if first is None:
+        seen[id(leaf)] = pos
+      elif first in donated or pos in donated:
+        arr = f"{short_dtype(leaf.dtype)}[{','.join(map(str, leaf.shape))}]"
+        what = (f"arguments {first} and {pos} hold the same array ({arr})"
+                if first != pos else f"argument {pos} holds one array ({arr}) twice")
+        raise ValueError(
+            f"{name}: {what}, and "
+            f"donate_argnums={tuple(donated)} donates it: its buffer would be "
+            "freed while the other use still reads it. Pass a copy for one of "
+            "them (e.g. jax.tree.map(jnp.copy, ema)) or do not donate it.")
 
 
 def _check_donate(donate_argnums) -> tuple[int, ...]:
@@ -398,12 +388,13 @@ class Partitioned:
 
   def _foreign(self, leaves) -> list[int]:
     """Flat inputs committed to devices outside the mesh, or to its devices in
-    another order (jax refuses both)."""
-    flat = tuple(self.mesh.devices.flat)
-    return [i for i, x in enumerate(leaves) if elsewhere(x, flat)]
+    another order or another mesh shape (jax refuses them)."""
+    return [i for i, x in enumerate(leaves) if elsewhere(x, self.mesh)]
 
   def __call__(self, *args, **kwargs):
     args = infer.bind_positional(self.fn, args, kwargs)
+    if self.donate_argnums:
+      _check_donated_alias(self.__name__, args, self.donate_argnums)
     try:
       with mesh_scope(self.mesh):
         out = self._call(*args)

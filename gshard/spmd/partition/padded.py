@@ -214,14 +214,23 @@ def logical_args(args, untyped: bool = False):
   return jax.tree_util.tree_map(lambda x: traced_arg(x, untyped), args, is_leaf=is_padded)
 
 
-def elsewhere(x, devices: tuple) -> bool:
-  """``x`` is an array committed to devices other than ``devices`` (a mesh's,
-  flat), or to them in another order: a jit over the mesh refuses it. A
-  tracer (a call under an outer jit, grad or scan) is committed nowhere."""
+def elsewhere(x, mesh) -> bool:
+  """``x`` is an array committed to devices other than ``mesh``'s, to them in
+  another order, or to a mesh of them with another shape or axis names: a
+  jit over ``mesh`` refuses it (or fails inside jax, mapping the program's
+  output layouts onto the input's mesh). A tracer (a call under an outer jit,
+  grad or scan) is committed nowhere."""
   x = x.data if is_padded(x) else x
-  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed and (
-      x.sharding.device_set != set(devices) or isinstance(x.sharding, NamedSharding)
-      and tuple(x.sharding.mesh.devices.flat) != devices)
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
+    return False
+  flat = tuple(mesh.devices.flat)
+  if x.sharding.device_set != set(flat):
+    return True
+  if not isinstance(x.sharding, NamedSharding):
+    return False
+  held = x.sharding.mesh
+  return (tuple(held.devices.flat) != flat or held.devices.shape != mesh.devices.shape
+          or tuple(held.axis_names) != tuple(mesh.axis_names))
 
 
 def traced(args) -> bool:
@@ -254,7 +263,7 @@ def pad_to(x, full_shape, sharding: NamedSharding) -> PaddedArray:
   """``x`` (an array of its logical shape) as a :class:`PaddedArray` of
   ``full_shape`` laid out as ``sharding``; the padding is zeros."""
   shape = tuple(np.shape(x))
-  if elsewhere(x, tuple(sharding.mesh.devices.flat)):
+  if elsewhere(x, sharding.mesh):
     # committed elsewhere: padded where it is, then moved (jit refuses the mix)
     return PaddedArray(jax.device_put(_pad_fn(shape, tuple(full_shape), None)(x), sharding),
                        shape)
