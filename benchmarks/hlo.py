@@ -104,6 +104,9 @@ def group_size(line: str, num_devices: int) -> int:
     sizes = dict((k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)",
                                                      rest[:rest.index("]") + 1]))
     after = rest[rest.index("]") + 1:].lstrip()
+    d = re.match(r",\s*device_ids=\([^)]*\)?\)\s*", after)   # devices reordered
+    if d:
+      after = after[d.end():]
     chosen = after[:_balanced(after, 0)] if after.startswith("{") else ""
     n = 1
     for name, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", chosen):
@@ -221,6 +224,21 @@ def replica_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...] |
   elif rest.startswith("mesh"):
     names_sizes = re.findall(r"'([^']+)'=(\d+)", rest[:rest.index("]") + 1])
     after = rest[rest.index("]") + 1:].lstrip()
+    # the mesh's devices in another order: ``, device_ids=([2,2,2]T(1,0,2))``
+    # (an iota, transposed) or an explicit list
+    devices = None
+    d = re.match(r",\s*device_ids=\((?:\[([0-9,]+)\](?:T\(([0-9,]+)\))?|([0-9,\s]+))\)\s*",
+                 after)
+    if d:
+      if d.group(1):
+        dims = [int(t) for t in d.group(1).split(",")]
+        devices = np.arange(int(np.prod(dims))).reshape(dims)
+        if d.group(2):
+          devices = devices.transpose([int(t) for t in d.group(2).split(",")])
+        devices = devices.reshape(-1)
+      else:
+        devices = np.array([int(t) for t in d.group(3).split(",") if t.strip()])
+      after = after[d.end():]
     chosen = after[1:_balanced(after, 0) - 1] if after.startswith("{") else ""
     # each axis split into (pre, size, post) parts; the chosen parts form a group
     shape, keep = [], []
@@ -241,14 +259,17 @@ def replica_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...] |
     ids = np.arange(int(np.prod(shape))).reshape(shape)
     order = [i for i, k in enumerate(keep) if not k] + [i for i, k in enumerate(keep) if k]
     size = int(np.prod([n for n, k in zip(shape, keep) if k]))
-    groups = [tuple(g) for g in ids.transpose(order).reshape(-1, size).tolist()]
+    groups = ids.transpose(order).reshape(-1, size)
+    if devices is not None:
+      groups = devices[groups]
+    groups = [tuple(g) for g in groups.tolist()]
   else:
     return None
   return tuple(sorted(tuple(sorted(g)) for g in groups))
 
 
 _GROUPS = re.compile(r", replica_groups=(?:\{(?:\{[0-9,\s]*\},?\s*)*\}|\[[0-9,]+\]<=\[[0-9,]+\]"
-                     r"(?:T\([0-9,]+\))?|mesh\[[^\]]*\]\s*\{[^}]*\})")
+                     r"(?:T\([0-9,]+\))?|mesh\[[^\]]*\](?:,\s*device_ids=\([^)]*\))?\s*\{[^}]*\})")
 
 
 def canonical(hlo_text: str, num_devices: int = 0) -> list[str]:

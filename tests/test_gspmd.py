@@ -140,6 +140,14 @@ def test_hlo_replica_groups_in_every_spelling():
   sub = "x = f32[4] all-reduce(%p), replica_groups=mesh['a'=2,'b'=4] {'b':(1)2}, to_apply=%add"
   # 'b':(1)2: the major half of b (b = 2 x 2, the first factor)
   assert hlo.replica_groups(sub, 8) == ((0, 2), (1, 3), (4, 6), (5, 7))
+  # the mesh's devices reordered (a tuple of axes not in mesh order, P(("b", "a"))):
+  # devices [0,1,4,5,2,3,6,7] at the mesh's positions; read as one group of 1, 0 B
+  perm = ("x = f32[8,16] all-gather(%p), replica_groups=mesh['axis_0'=4,'axis_1'=1,"
+          "'axis_2'=2], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, dimensions={0}")
+  assert hlo.replica_groups(perm, 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert hlo.group_size(perm, 8) == 4
+  listed = perm.replace("([2,2,2]T(1,0,2))", "(0,1,4,5,2,3,6,7)")
+  assert hlo.replica_groups(listed, 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
   explicit = _HLO.replace("replica_groups=[2,4]<=[8]", "replica_groups={{0,1,2,3},{4,5,6,7}}")
   assert hlo.same_program(_HLO, explicit.replace("channel_id=2", "channel_id=9"), 8)
   assert not hlo.same_program(_HLO, _HLO.replace("replica_groups=[2,4]<=[8], to",
