@@ -268,6 +268,27 @@ def test_dot_contracting_an_uneven_split_dim():
   assert_trees_close(out, jax.jit(grad)(a, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec_x,spec_y", [(P(None, None, "b"), P(None, "a", "b")),
+                                           (P(None, "a"), P(None, "a", "b")),
+                                           (P(None, None, "b"), P(None, ("a", "b")))])
+@pytest.mark.parametrize("axis", [0, 2])
+def test_concatenate_with_an_input_padded_at_the_boundary(spec_x, spec_y, axis):
+  """x [8,5,2] and y [2,5,2] (or [8,5,1] on axis 2) with the 5 split
+  unevenly: a plain uneven input is padded inside the program before it moves
+  into its padded layout, and XLA (jaxlib 0.10.2) fused that pad into the
+  move and got it wrong (the concatenate read garbage rows; found by the
+  fuzzer). Bit-exact."""
+  m = mesh((2, 2), ("a", "b"))
+  x = np.arange(8 * 5 * 2, dtype=np.float32).reshape(8, 5, 2)
+  y = -np.arange(40, dtype=np.float32)[:20 if axis == 0 else 40].reshape(
+      (2, 5, 2) if axis == 0 else (8, 5, 1)) - 1
+  if axis == 2:
+    spec_y = P(*spec_y[:2])
+  fn = lambda x, y: jnp.concatenate([x, y], axis=axis)   # noqa: E731
+  got = gshard.unpad(gshard.partition(fn, m, in_specs=(spec_x, spec_y))(x, y))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fn)(x, y)))
+
+
 def test_padding_never_leaks_into_a_nonlinear_chain():
   """exp of the padding is 1, not 0: a sum after exp must still mask it."""
   m = mesh(*M24)

@@ -59,6 +59,7 @@ class Program:
     pairs: flat output -> the flat input it is the next value of (state).
     padded_out: the flat outputs returned as :class:`PaddedArray`.
     mesh_sizes: mesh axis name -> size.
+    mesh: the mesh (a plain input is padded on it, in its even layout).
   """
 
   result: ShardingResult
@@ -74,6 +75,7 @@ class Program:
   pairs: dict[int, int]
   padded_out: list[bool]
   mesh_sizes: dict[str, int]
+  mesh: Any = None
   _traced: Any = None
 
   def per_device(self):
@@ -112,6 +114,13 @@ class Program:
         x = x[tuple(slice(0, n) for n in shape)]
       if tuple(x.shape) != full:
         x = collectives.pad_zeros(x, [(0, f - n) for f, n in zip(full, x.shape)])
+        if self.mesh is not None:
+          # padded in the even layout it came in, fenced off from the move into
+          # the padded layout: XLA (jaxlib 0.10.2) fused the pad into that move
+          # and got it wrong (a concatenate with the padded block read garbage;
+          # found by the fuzzer)
+          x = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(
+              x, NamedSharding(self.mesh, self.in_place[i].to_spec())))
       ins.append(x)
     outs = jaxpr_as_fun(self.per_device())(*ins)
     # an output is uneven only as padded state: any other leaves evenly (_boundary)
@@ -305,7 +314,7 @@ class Partitioned:
     timings["partition_setup"] = time.perf_counter() - t0
     return Program(result, in_sh, out_sh, out_tree, shard_fn, ctx.recorder, timings,
                    list(avals), in_place, list(out_leaves), pairs, padded_out,
-                   self.mesh_sizes)
+                   self.mesh_sizes, self.mesh)
 
   def _boundary(self, result: ShardingResult, out_leaves, pairs):
     """The layouts of the program's flat inputs and outputs (no pending sums),
