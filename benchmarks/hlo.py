@@ -86,33 +86,10 @@ def _result_type(line: str, m: re.Match) -> str:
 
 
 def group_size(line: str, num_devices: int) -> int:
-  """n for one collective instruction line (see the module docstring)."""
-  m = re.search(r"replica_groups=", line)
-  if m is None:
-    return num_devices
-  rest = line[m.end():]
-  if rest.startswith("{"):
-    body = rest[:_balanced(rest, 0)]
-    first = re.search(r"\{([0-9,\s]*)\}", body[1:])
-    if first is None or not first.group(1).strip():
-      return num_devices   # replica_groups={} : one group of everything
-    return len([t for t in first.group(1).split(",") if t.strip()])
-  if rest.startswith("["):   # iota form [G,S]<=[dims]T(perm): groups of S
-    dims = rest[1:rest.index("]")].split(",")
-    return int(dims[-1])
-  if rest.startswith("mesh"):   # mesh['a'=2,'b'=4] {'b'} or {'a':(1)2}
-    sizes = dict((k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)",
-                                                     rest[:rest.index("]") + 1]))
-    after = rest[rest.index("]") + 1:].lstrip()
-    d = re.match(r",\s*device_ids=\([^)]*\)?\)\s*", after)   # devices reordered
-    if d:
-      after = after[d.end():]
-    chosen = after[:_balanced(after, 0)] if after.startswith("{") else ""
-    n = 1
-    for name, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", chosen):
-      n *= int(sub) if sub else sizes.get(name, 1)   # 'a':(k)m is a size-m part of a
-    return n
-  return num_devices
+  """n for one collective instruction line (see the module docstring): the
+  size of its replica groups, all devices where it names none."""
+  groups = replica_groups(line, num_devices)
+  return len(groups[0]) if groups else num_devices
 
 
 def _bytes_sent(kind: str, n: int, s_in: int, line: str) -> float:

@@ -75,7 +75,7 @@ class Program:
   pairs: dict[int, int]
   padded_out: list[bool]
   mesh_sizes: dict[str, int]
-  mesh: Any = None
+  mesh: Any
   _traced: Any = None
 
   def per_device(self):
@@ -114,13 +114,12 @@ class Program:
         x = x[tuple(slice(0, n) for n in shape)]
       if tuple(x.shape) != full:
         x = collectives.pad_zeros(x, [(0, f - n) for f, n in zip(full, x.shape)])
-        if self.mesh is not None:
-          # padded in the even layout it came in, fenced off from the move into
-          # the padded layout: XLA (jaxlib 0.10.2) fused the pad into that move
-          # and got it wrong (a concatenate with the padded block read garbage;
-          # found by the fuzzer)
-          x = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(
-              x, NamedSharding(self.mesh, self.in_place[i].to_spec())))
+        # padded in the even layout it came in, fenced off from the move into
+        # the padded layout: XLA (jaxlib 0.10.2) fused the pad into that move
+        # and got it wrong (a concatenate with the padded block read garbage;
+        # found by the fuzzer)
+        x = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, self.in_place[i].to_spec())))
       ins.append(x)
     outs = jaxpr_as_fun(self.per_device())(*ins)
     # an output is uneven only as padded state: any other leaves evenly (_boundary)
