@@ -17,7 +17,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from gshard.spmd import factors, registry
+from gshard.spmd import factors, linearity, registry
 from gshard.spmd.rules import Constraint, FactorRule, Ref, as_op_rule
 from gshard.spmd.sharding import TensorSharding, mesh_str
 from gshard.spmd.source import source_of
@@ -56,7 +56,7 @@ class Bound:
   results: list[Tensor | None]
   eqn: Any
   scope: Scope
-  marks: tuple = ()   # (position, factors.ZERO) of literal operands the rule reads
+  marks: tuple = ()   # (position, linearity.ZERO) of literal operands the rule reads
 
 
 # -- building the graph ------------------------------------------------------
@@ -148,12 +148,12 @@ class Graph:
       for v in eqn.outvars:
         self.tensor(scope, v)
       if eqn.primitive.name in _KEEP_ZERO and eqn.invars and \
-          self.mark_of(scope, eqn.invars[0]) is factors.ZERO:
+          self.mark_of(scope, eqn.invars[0]) is linearity.ZERO:
         self.zeros.add(self.tensor(scope, eqn.outvars[0]))
       # a call's inner invar bound to a zero is one (jnp.where(m, x, 0.0): the
       # 0.0 enters the jit of _where, which broadcasts it)
       inner_zero = [k for k, v in enumerate(eqn.invars)
-                    if self.mark_of(scope, v) is factors.ZERO] \
+                    if self.mark_of(scope, v) is linearity.ZERO] \
           if eqn.primitive.name in _CALLS and len(subs) == 1 else []
       if rule_fn is None:
         self.unsupported.append((eqn.primitive.name, src()))
@@ -189,7 +189,7 @@ class Graph:
         return None
 
       def bind(c: Constraint) -> Bound:
-        marks = () if c.rule.linear not in factors.READS_LITERALS else tuple(
+        marks = () if c.rule.linear not in linearity.READS_LITERALS else tuple(
             (k, m) for k, ref in enumerate(c.operands) if (m := mark(ref)) is not None)
         return Bound(c.rule, [resolve(r) for r in c.operands],
                      [resolve(r) for r in c.results], eqn, scope, marks)
@@ -213,8 +213,8 @@ class Graph:
     """ZERO for a literal zero or an all-zeros value (:attr:`zeros`); None for
     anything else."""
     if isinstance(var, Literal):
-      return factors.literal_mark(var.val)
-    return factors.ZERO if self.tensor(scope, var) in self.zeros else None
+      return linearity.literal_mark(var.val)
+    return linearity.ZERO if self.tensor(scope, var) in self.zeros else None
 
   def check_mesh(self, mesh: Mapping[str, int], what: str) -> None:
     """A construct naming its own mesh (``with_sharding_constraint``, ``shard_map``)

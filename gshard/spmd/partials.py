@@ -6,7 +6,7 @@ every value and changes nothing itself (``propagate`` applies the result).
 **Where they come from.** A split ``sum`` factor (a dot contracting a split
 dim, ``reduce_sum`` over one, a gather from a split table): the axes chosen
 among the operands' projections (:func:`factors.reduced_axes`). **How they
-pass.** Through an op whose linearity lets them (:func:`factors.carried`).
+pass.** Through an op whose linearity lets them (:func:`linearity.carried`).
 
 **Resolve once, at the producer.** A value stays pending only while every
 consumer lets it through; otherwise it is resolved where it is produced, once,
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from gshard.spmd import factors, overlay
+from gshard.spmd import factors, linearity, overlay
 from gshard.spmd.graph import Bound, Graph, Tensor, sub_jaxprs
 from gshard.spmd.reshard import allreduce_bytes
 
@@ -66,7 +66,7 @@ def _psum_cost(t: Tensor, axes, mesh) -> float:
 
 def _operand_partials(b: Bound, pending=None) -> list:
   """Each operand's pending axes (from ``pending``, else its current sharding);
-  None for a literal, ``factors.ZERO`` for a zero the rule reads."""
+  None for a literal, ``linearity.ZERO`` for a zero the rule reads."""
   if pending is None:
     out = [None if o is None else o.sharding.partial for o in b.operands]
   else:
@@ -81,7 +81,7 @@ def produced(b: Bound, mesh, pending=None, reduced=None) -> frozenset[str]:
   split ``sum`` factors' axes and what its linearity carries from the operands."""
   if reduced is None:
     reduced = factors.reduced_axes(b.rule, b.operands, mesh)
-  return reduced | factors.carried(b.rule.linear, _operand_partials(b, pending))
+  return reduced | linearity.carried(b.rule.linear, _operand_partials(b, pending))
 
 
 def accepts(b: Bound, t: Tensor, pending=None) -> bool:
@@ -95,7 +95,7 @@ def accepts(b: Bound, t: Tensor, pending=None) -> bool:
   axes = t.sharding.partial if pending is None else pending.get(t, frozenset())
   if any(o is not None and o is not t and o.sharding.axes & axes for o in b.operands):
     return False
-  return all(factors.lets_through(b.rule.linear, partials, i)
+  return all(linearity.lets_through(b.rule.linear, partials, i)
              for i, o in enumerate(b.operands) if o is t)
 
 
@@ -205,7 +205,7 @@ def _book(recs, downstream: dict, total: float, sign: float) -> float:
 
 def _meet(a, b):
   """The axes two markings of one value both leave pending (ANY: either's)."""
-  return b if a is factors.ANY else a if b is factors.ANY else a & b
+  return b if a is linearity.ANY else a if b is linearity.ANY else a & b
 
 
 def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False,
@@ -219,7 +219,7 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False,
   if b.rule.linear == "seed":       # a loop accumulator's init: its body decides
     for t in b.results:
       if t is not None and not t.fixed:
-        pending[t] = frozenset() if t in resolved else factors.ANY
+        pending[t] = frozenset() if t in resolved else linearity.ANY
         feeds.pop(t, None)
     return tuple((t, pending[t], 0.0, frozenset()) for t in b.results
                  if t is not None and not t.fixed)
@@ -229,7 +229,7 @@ def _mark(b: Bound, r, mesh, resolved, pending, feeds, again: bool = False,
     recs = []
     for t in b.results:
       if t is not None and not t.fixed:
-        q = frozenset() if t in resolved else factors.ANY
+        q = frozenset() if t in resolved else linearity.ANY
         pending[t] = _meet(pending[t], q) if t in pending else q
         recs.append((t, pending[t], 0.0, frozenset()))
     return tuple(recs)
@@ -271,9 +271,9 @@ def _mark_branch(b: Bound, mesh, resolved, pending, feeds, runs: int):
   (t,) = b.results
   if t is None:
     return ()
-  raws, q = [], factors.ANY
+  raws, q = [], linearity.ANY
   for o, src in zip(b.operands, _operand_partials(b, pending)):
-    if src is factors.ZERO or src is factors.ANY:
+    if src is linearity.ZERO or src is linearity.ANY:
       continue
     raw = (src or frozenset()) - t.sharding.axes
     raws.append((o, raw))
@@ -283,7 +283,7 @@ def _mark_branch(b: Bound, mesh, resolved, pending, feeds, runs: int):
   if t in pending:             # another constraint's (a stage_switch's layout link)
     q = _meet(pending[t], q)
   pending[t] = q
-  kept = q if q is not factors.ANY else frozenset()
+  kept = q if q is not linearity.ANY else frozenset()
   anc = frozenset().union(*[feeds.get(o, frozenset()) | {o} for o, raw in raws if raw])
   cost = sum(_psum_cost(t, raw - kept, mesh) for _, raw in raws if raw - kept) * runs
   if q:
@@ -464,4 +464,4 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
     own = sum(c for u, _, c, _ in rnd.contrib[k] if u is t)
     # per run of the lookup, as the partitioner weighs its plans
     released[t] = max(0.0, best.total - (rnd.total - own)) / index.runs[k]
-  return {t: frozenset() if p is factors.ANY else p for t, p in best.pending.items()}, released
+  return {t: frozenset() if p is linearity.ANY else p for t, p in best.pending.items()}, released

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.lax import GatherScatterMode
 
-from gshard.spmd import factors
+from gshard.spmd import linearity
 from gshard.spmd.collectives import zeros
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.generic import bind_local, unkeyed
@@ -267,7 +267,7 @@ def scatter_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
           for j, (v, s) in enumerate(zip(ins, plan.operands))]
   summed = tuple(a for f in sorted(plan.rule.reduction) for a in plan.choice.get(f, ())
                  if a not in vals[0].sharding.partial)
-  if summed and ctx.graph.mark_of(scope, eqn.invars[0]) is not factors.ZERO:
+  if summed and ctx.graph.mark_of(scope, eqn.invars[0]) is not linearity.ZERO:
     # (zeros, a transpose's fresh buffer, are the same on every device)
     first = ctx.linear_index(summed) == 0
     vals[0] = dataclasses.replace(vals[0], x=jnp.where(first, vals[0].x,

@@ -21,7 +21,7 @@ import functools
 import math
 
 
-from gshard.spmd import factors, registry, reshard
+from gshard.spmd import factors, linearity, registry, reshard
 from gshard.spmd.partials import LOOKUPS
 from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
@@ -90,7 +90,7 @@ class _In:
   sharding: TensorSharding | None     # None for a literal
   shape: tuple[int, ...]
   dtype: object
-  mark: object = None                 # a literal's factors.ZERO, if the rule reads it
+  mark: object = None                 # a literal's linearity.ZERO, if the rule reads it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +125,9 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   g = ctx.graph
   operands = tuple(factors.view(g.tensor(scope, v)) for v in eqn.invars)
   results = tuple(factors.view(g.tensor(scope, v)) for v in eqn.outvars)
-  marks = rule.linear in factors.READS_LITERALS
+  marks = rule.linear in linearity.READS_LITERALS
   in_ = tuple(_In(None if v.literal else v.sharding, tuple(v.shape), v.dtype,
-                  (factors.literal_mark(v.x) if v.literal else g.mark_of(scope, var))
+                  (linearity.literal_mark(v.x) if v.literal else g.mark_of(scope, var))
                   if marks else None) for v, var in zip(ins, eqn.invars))
   lookup = eqn.primitive.name in LOOKUPS
   relocate = lookup or eqn.primitive.name in PIECES
@@ -370,7 +370,7 @@ def _plan_for(mesh, ins, rule: FactorRule, choice, blocked, allow_other_reductio
   # A pending partial sum passes through a linear op; otherwise it is resolved.
   partials = [v.mark if v.sharding is None or v.mark is not None else v.sharding.partial
               for v in ins]
-  passes = any(partials) and all(factors.lets_through(rule.linear, partials, i)
+  passes = any(partials) and all(linearity.lets_through(rule.linear, partials, i)
                                  for i, p in enumerate(partials) if p)
   pend = [None if v.sharding is None else v.sharding.partial for v in ins]
   seeds = _seeds(rule, ins, seedable) if not passes else frozenset()
