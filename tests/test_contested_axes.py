@@ -88,3 +88,37 @@ def test_a_contracted_factor_does_not_take_the_tuple_whole():
   got, want = np.asarray(part(x, w)), np.asarray(jax.jit(f)(x, w))
   bound = 2 * 32 * np.finfo(np.float32).eps * np.asarray(f(jnp.abs(x), jnp.abs(w)))
   assert (np.abs(got - want) <= bound).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.sampled_from([(2, 2), (2, 4), (4, 2), (2, 2, 2)]), k=st.integers(1, 2),
+       per=st.sampled_from([1, 2]), n2_per=st.sampled_from([1, 3]),
+       m=st.sampled_from([1, 3]))
+def test_a_reshape_merging_two_split_dims_moves_the_minor_axes_in_one_all_to_all(
+    shape, k, per, n2_per, m):
+  # x [n1@A, n2@B, m] pinned, reshaped to [n1*n2@(A+B), m] pinned: a merged
+  # dim split A then B is not one block per device, so the pin on x cannot
+  # be carried through. The op used to keep A on n1 (the pin's support) and
+  # gather B; moving B onto n1 first, one all-to-all within B, sends 1/|B| of
+  # that (GSPMD's plan).
+  names = ("a", "b", "c")[:len(shape)]
+  k = min(k, len(shape) - 1)
+  A, B = names[:k], names[k:]
+  n = int(np.prod(shape))
+  nb = int(np.prod(shape[k:]))
+  n1, n2 = n * per, nb * n2_per
+  x = jax.random.normal(jax.random.PRNGKey(n1 + n2), (n1, n2, m))
+
+  def f(x):
+    return x.reshape(n1 * n2, m) * 2
+
+  part = gshard.partition(f, mesh(shape, names), in_specs=(P(A, B),), out_specs=P(names))
+  lowered = part.lower(x)
+  block = x.size * 4 // n
+  assert lowered.total_bytes() == (nb - 1) * block // nb, lowered.explain()
+  (c,) = [c for c in lowered.collectives()]
+  assert c.kind == "all_to_all"
+  conflict = [c for c in lowered.propagation.conflicts if c.primitive == "reshape"]
+  assert conflict and conflict[0].chosen == names, lowered.explain()
+  assert conflict[0].reason == "fewer bytes for the whole op"
+  np.testing.assert_array_equal(np.asarray(gshard.unpad(part(x))), np.asarray(f(x)))

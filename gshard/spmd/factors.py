@@ -301,7 +301,55 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
       keep.append(a)
       owner[a] = f
     done[f] = tuple(keep)
+  if not tied:
+    done = _unpinned_if_cheaper(done, choice, hold, pairs, rule, mesh, results)
   return done, tied
+
+
+def _unpinned_if_cheaper(done: dict, choice: dict, hold, pairs, rule: FactorRule, mesh,
+                         results) -> dict:
+  """``done``; or, where a result cannot hold every axis ``done`` gives (the
+  op would gather one), a factor that took a pinned tensor's axes takes
+  another tensor's proposal instead if that sends strictly fewer bytes.
+
+  Pinned support ranks first factor by factor, to carry the pinned layout
+  through the op; a pin the op cannot carry costs its own gather:
+  ``[4@a, 8@b]`` pinned, reshaped to ``[32@(a,b)]``, keeps ``a`` on the
+  first factor and gathers ``b`` (a merged dim split ``a`` then ``b`` is not
+  one block per device), where moving ``b`` to the first dim, one
+  all-to-all, sends half. A contracted factor, or one the proposal splits
+  unevenly, is left as chosen (the byte count prices neither exactly, as in
+  :func:`_take_rest`).
+  """
+  if not _drops_axes(done, rule, mesh):
+    return done
+  best = None
+  for f, axes in done.items():
+    if f in rule.reduction or not any(h.fixed and h.proj == choice.get(f) for h in hold[f]):
+      continue
+    for c in sorted({h.proj for h in hold[f] if not h.fixed and h.proj}):
+      if (c == axes or rule.size_of[f] % math.prod(mesh[b] for b in c) != 0
+          or any(b not in mesh for b in c)):
+        continue
+      alt = {g: c if g == f else ax[:next((i for i, b in enumerate(ax) if b in c), len(ax))]
+             for g, ax in done.items()}
+      if best is None:
+        best = (_assignment_bytes(done, pairs, rule, mesh, results), done)
+      cost = _assignment_bytes(alt, pairs, rule, mesh, results)
+      if cost < best[0]:
+        best = (cost, alt)
+  return done if best is None else best[1]
+
+
+def _drops_axes(done: dict, rule: FactorRule, mesh) -> bool:
+  """Whether a result cannot hold an axis ``done`` gives one of its factors (a
+  merged dim split by its minor factor while its major one is split only in
+  part): the op would gather it."""
+  for dims in rule.results:
+    held = {a for axes in unproject(dims, done, rule.size_of, mesh) for a in axes}
+    if any(a not in held for fs in dims for f in fs for a in done.get(f, ())):
+      return True
+  return False
 
 
 def _give(take: dict, f: str, done: dict, owner: dict, tie: bool) -> None:

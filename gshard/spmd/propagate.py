@@ -108,6 +108,7 @@ def conflicts(graph: Graph) -> list[Conflict]:
   for b in graph.bounds:
     mesh = graph.mesh_sizes
     holders, _ = factors.holders(b.rule, b.operands, b.results, mesh)
+    solved = None
     for f in b.rule.factors:
       hs = holders[f]
       cands = sorted({h.proj for h in hs if h.proj or h.fixed})
@@ -131,6 +132,11 @@ def conflicts(graph: Graph) -> list[Conflict]:
           reason = "tie: the more specific, then the earlier tensor"
       else:
         reason = "user annotation"
+      if solved is None:
+        solved = factors.solve(b.rule, b.operands, b.results, mesh)
+      if solved.get(f) in cands and solved[f] != best:
+        # the op as a whole: the ranked best would have it gather another axis
+        best, reason = solved[f], "fewer bytes for the whole op"
       out.append(Conflict(
           b.eqn.primitive.name, source_of(b.eqn), f,
           tuple((_role(b, h.tensor), h.proj) for h in hs), best, reason))
