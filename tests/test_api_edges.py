@@ -339,3 +339,21 @@ def test_a_partitioned_function_retraces_when_jax_settings_change():
   assert "HIGHEST" not in mm.lower(x, x).as_text()
   with jax.default_matmul_precision("highest"):
     assert "HIGHEST" in mm.lower(x, x).as_text()
+
+
+@settings(max_examples=12, deadline=None)
+@given(val=st.one_of(st.floats(width=32), st.integers(-2**31, 2**31 - 1), st.booleans(),
+                     st.complex_numbers(width=64)))
+def test_a_python_number_returned_is_typed_as_jit_returns_it(val):
+  # A metric returned as a Python number (``{"lr": 1e-2}``) is weakly typed
+  # under jax.jit, so bf16 * it stays bf16; it came back strong (f32).
+  def step(w, x):
+    return w * 2, {"lr": val}
+  w, x = jnp.ones((8, 8), jnp.bfloat16), jnp.ones((16, 8))
+  (_, got), (_, want) = (gshard.partition(step, mesh((2, 4), ("data", "model")), in_specs=(P(None, "model"),
+                                                                          P("data")))(w, x),
+                         jax.jit(step)(w, x))
+  g, r = got["lr"], want["lr"]
+  assert (g.dtype, g.weak_type, g.shape) == (r.dtype, r.weak_type, r.shape)
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(r))      # NaN where NaN
+  assert (w * g).dtype == (w * r).dtype

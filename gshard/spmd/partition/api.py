@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import AbstractMesh, NamedSharding
 
@@ -152,7 +153,7 @@ def _body(ctx: Context, result: ShardingResult, in_sh, out_sh, avals, out_leaves
       for j, (o, s) in enumerate(zip(outs, out_sh)):
         if o.literal:
           leaf = out_leaves[j]
-          res.append(jax.numpy.broadcast_to(jax.numpy.asarray(o.x, leaf.dtype),
+          res.append(jax.numpy.broadcast_to(_literal(o.x, leaf),
                                             s.local_shape(leaf.shape, ctx.mesh_sizes)))
         else:
           res.append(ctx.reshard(o, s, None, f"output {j}").x)
@@ -160,6 +161,16 @@ def _body(ctx: Context, result: ShardingResult, in_sh, out_sh, avals, out_leaves
       ctx.forget()
     return tuple(res)
   return body
+
+
+def _literal(val, leaf):
+  """A literal output as jax.jit returns it: a Python number the function
+  returned stays weakly typed (``bf16_w * metrics["lr"]`` stays bf16)."""
+  if leaf.weak_type:
+    y = jax.numpy.asarray(np.asarray(val).item())
+    if y.dtype == leaf.dtype:
+      return y
+  return jax.numpy.asarray(val, leaf.dtype)
 
 
 def _shape_str(a) -> str:
