@@ -387,3 +387,29 @@ def test_key_array_committed_to_one_device_split_unevenly():
   got = step(ks)
   assert isinstance(got, gshard.PaddedArray)
   assert_bit_equal(jax.random.key_data(gshard.unpad(got)), jax.random.key_data(ks))
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=st.sampled_from([6, 8, 9, 13]), impl=st.sampled_from(["threefry2x32", "rbg"]))
+def test_per_example_keys_carried_as_state_come_back_as_keys(batch, impl):
+  # Typed keys split unevenly came back as a PaddedArray, which jax.random
+  # refuses (key_data, vmap(split): "invalid PRNG key data"); they leave the
+  # program as a key array, evenly, while other uneven state stays padded.
+  m = mesh((2, 4), ("data", "model"))
+
+  def step(keys, w):
+    return jax.vmap(lambda k: jax.random.split(k)[0])(keys), w * 2
+
+  keys = jax.random.split(jax.random.key(0, impl=impl), batch)
+  w = jnp.ones((batch, 8))
+  p = gshard.partition(step, m, in_specs=(P("data"), P("data")))
+  k, v = keys, w
+  kj, vj = keys, w
+  for _ in range(2):
+    k, v = p(k, v)
+    kj, vj = jax.jit(step)(kj, vj)
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(k)),
+                                  np.asarray(jax.random.key_data(kj)))
+    assert jax.vmap(jax.random.split)(k).shape == (batch, 2)
+  assert isinstance(v, gshard.PaddedArray) == (batch % 2 != 0)
+  assert len(p._cache) == 1

@@ -95,8 +95,11 @@ class Program:
 
   @property
   def state_inputs(self) -> frozenset[int]:
-    """Flat inputs whose next value the program returns."""
-    return frozenset(self.pairs.values())
+    """Flat inputs whose next value the program returns, kept padded between
+    steps where split unevenly: any but a typed PRNG key array, which
+    ``jax.random`` reads only as its own type (it leaves evenly, as any
+    other output)."""
+    return frozenset(i for i in self.pairs.values() if not _is_key(self.flat_avals[i].dtype))
 
   def padded_shape(self, i: int) -> tuple[int, ...]:
     """Input ``i``'s global shape inside the program (uneven dims padded)."""
@@ -171,6 +174,10 @@ def _literal(val, leaf):
     if y.dtype == leaf.dtype:
       return y
   return jax.numpy.asarray(val, leaf.dtype)
+
+
+def _is_key(dtype) -> bool:
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _shape_str(a) -> str:
@@ -280,7 +287,8 @@ class Partitioned:
     layout from step to step, unless an annotation on the returned value
     fixes another; any other takes its propagated sharding. A
     state output split unevenly comes back padded (:class:`PaddedArray`), so
-    it stays split; any other uneven output leaves the program in the even
+    it stays split (but a typed PRNG key array, which ``jax.random`` must
+    read as one); any other uneven output leaves the program in the even
     layout nearest its sharding (``evenize``: the axes that would split a dim
     unevenly dropped), resharded inside the program."""
     jaxpr = result.jaxpr.jaxpr
@@ -297,7 +305,8 @@ class Partitioned:
         s = result.sharding(var).without_partial()
       else:
         s = TensorSharding.replicated(len(leaf.shape))
-      state = j in pairs and not s.is_even(leaf.shape, self.mesh_sizes)
+      state = (j in pairs and not s.is_even(leaf.shape, self.mesh_sizes)
+               and not _is_key(leaf.dtype))
       # not state: even inside (XLA's reshard of a sliced padded output crashed)
       out_sh.append(s if state else evenize(s, leaf.shape, self.mesh_sizes))
       padded.append(state)
