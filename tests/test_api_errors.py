@@ -256,3 +256,27 @@ def test_jax_debug_nans_names_the_primitive_and_the_users_line():
   from gshard.spmd.partition import nans
   err = nans.localize(lambda x: x * 2, (jnp.ones(2),), "step", RuntimeError("nan"))
   assert isinstance(err, FloatingPointError) and "a gshard bug" in str(err)
+
+
+@pytest.mark.parametrize("specs, args, said", [
+    (({"w": P(None, "model")}, P("data")), ("a8x8", "a16x8"),
+     "in_specs[0] is a dict with keys ['w'], but argument 0 is an array f32[8,8]"),
+    (({"w": P(), "b": P()}, None), ({"w": "a8x8"}, "a16x8"),
+     "in_specs[0] is a dict with keys ['b', 'w'], but argument 0 is a dict with keys ['w']"),
+    ((({"w": P()}, P()), None), (({"w": "a8x8"}, "a8x8", "a8x8"), "a16x8"),
+     "in_specs[0] is a tuple of 2, but argument 0 is a tuple of 3"),
+    ((({"w": (P(), P())},), None), (({"w": "a8x8"},), "a16x8"),
+     "in_specs[0][0]['w'] is a tuple of 2, but argument 0[0]['w'] is an array f32[8,8]"),
+])
+def test_in_specs_that_do_not_fit_the_arguments_say_where_and_what(specs, args, said):
+  # A spec pytree shaped unlike an argument named jax's tracer type
+  # (DynamicJaxprTracer) and neither the shape nor the mesh.
+  def arr(s):
+    return jnp.ones(tuple(int(n) for n in s[1:].split("x")))
+  args = jax.tree.map(arr, args)
+  step = gshard.partition(lambda *a: jax.tree.leaves(a)[0], mesh((2, 4), ("data", "model")),
+                          in_specs=specs)
+  with pytest.raises(ValueError) as e:
+    step(*args)
+  msg = str(e.value)
+  assert said in msg and "(data=2, model=4)" in msg and "Tracer" not in msg, msg

@@ -192,7 +192,7 @@ class AutoShard:
     t0 = time.perf_counter()
     ms = self.mesh_sizes
     args = logical_args(args)
-    leaves, paths, specs = flatten_specs(self.in_specs, tuple(args))
+    leaves, paths, specs = flatten_specs(self.in_specs, tuple(args), mesh_sizes=ms)
     with mesh_context(ms), _gc.paused():     # as gshard.partition builds: spmd/_gc.py
       closed, out_shape = trace(self.fn, args)
       jaxpr = closed.jaxpr

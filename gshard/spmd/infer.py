@@ -27,7 +27,7 @@ from gshard.spmd.printing import format_jaxpr
 from gshard.spmd.graph import Graph, source_of
 from gshard.spmd.propagate import Conflict, conflicts, propagate
 from gshard.spmd.sharding import (TensorSharding, check_spec_entries, mesh_scope,
-                                  mesh_sizes_of, mesh_str, open_dims_of_spec)
+                                  mesh_sizes_of, mesh_str, open_dims_of_spec, short_dtype)
 from gshard.spmd.tracing import live_only, non_array_error, trace
 
 # Frames inside gshard are not the user's source line.
@@ -38,7 +38,7 @@ def _is_spec_leaf(x) -> bool:
   return x is None or isinstance(x, P)
 
 
-def flatten_specs(specs, tree, what: str = "in_specs"):
+def flatten_specs(specs, tree, what: str = "in_specs", mesh_sizes=None):
   """Broadcast a pytree prefix of PartitionSpecs (or None) to the leaves of ``tree``.
 
   For ``in_specs`` the tree is the tuple of positional arguments (a list
@@ -61,10 +61,53 @@ def flatten_specs(specs, tree, what: str = "in_specs"):
   except ValueError as e:
     whose = "arguments (a tuple with one entry per positional argument" \
         if what == "in_specs" else "outputs (the structure fn returns"
+    bad = _misfit(specs, tree, "")
+    if bad is not None:
+      path, spec, sub = bad
+      name = (f"argument {path[1:].split(']')[0]}{path[path.index(']') + 1:]}"
+              if what == "in_specs" and path else f"the output{path}")
+      e = (f"{what}{path} is {_kind(spec)}, but {name} is {_kind(sub)}. Give a "
+           "PartitionSpec (or None) for an array, and for a pytree a PartitionSpec for "
+           "all of it or a pytree of them with its structure" +
+           (f", on mesh {mesh_str(mesh_sizes)}" if mesh_sizes else ""))
     raise ValueError(
         f"{what} must be a pytree prefix of the {whose}, PartitionSpecs or None at "
         f"the leaves): {e}") from None
   return leaves, paths, flat
+
+
+def _misfit(spec, sub, path: str):
+  """The first place a spec prefix does not fit its tree (dicts, tuples and
+  lists): (path, spec there, tree there), or None."""
+  if spec is None or _is_spec_leaf(spec):
+    return None
+  if isinstance(spec, dict):
+    if not isinstance(sub, dict) or set(spec) != set(sub):
+      return path, spec, sub
+    kids = [(f"{path}[{k!r}]", spec[k], sub[k]) for k in spec]
+  elif isinstance(spec, (tuple, list)):
+    if not isinstance(sub, (tuple, list)) or len(spec) != len(sub):
+      return path, spec, sub
+    kids = [(f"{path}[{i}]", a, b) for i, (a, b) in enumerate(zip(spec, sub))]
+  else:
+    return None
+  for p, a, b in kids:
+    bad = _misfit(a, b, p)
+    if bad is not None:
+      return bad
+  return None
+
+
+def _kind(x) -> str:
+  """What a user reads ``x`` as: ``an array f32[8,8]``, ``a dict with keys
+  ['w']``, ``a tuple of 2``."""
+  if isinstance(x, dict):
+    return f"a dict with keys {sorted(map(str, x))}"
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of {len(x)}"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array {short_dtype(x.dtype)}[{','.join(map(str, x.shape))}]"
+  return f"a {type(x).__name__}"
 
 
 def spec_to_pin(spec: P, shape, mesh_sizes, where: str):
@@ -346,7 +389,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
   t0 = time.perf_counter()
   args = logical_args(args)
   fn, in_specs = with_keywords(fn, tuple(args), in_specs)
-  leaves, paths, specs = flatten_specs(in_specs, tuple(args))
+  leaves, paths, specs = flatten_specs(in_specs, tuple(args), mesh_sizes=mesh_sizes)
   with mesh_context(mesh_sizes):
     closed, out_shape = trace(fn, args)
   closed = live_only(closed)
