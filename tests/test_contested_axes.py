@@ -122,3 +122,13 @@ def test_a_reshape_merging_two_split_dims_moves_the_minor_axes_in_one_all_to_all
   assert conflict and conflict[0].chosen == names, lowered.explain()
   assert conflict[0].reason == "fewer bytes for the whole op"
   np.testing.assert_array_equal(np.asarray(gshard.unpad(part(x))), np.asarray(f(x)))
+
+
+def test_only_a_pin_outweighed_by_the_whole_op_is_reported_so():
+  # x + y, x [6, 4@(a,b)], y [6@b, 4@a]: the axes go one owner each as always;
+  # the report gave that "fewer bytes for the whole op" too (a second reader).
+  x = jnp.ones((6, 4))
+  low = gshard.partition(lambda x, y: x + y, mesh((2, 4), ("a", "b")),
+                         in_specs=(P(None, ("a", "b")), P("b", "a"))).lower(x, x)
+  assert low.propagation.conflicts
+  assert all(c.reason != "fewer bytes for the whole op" for c in low.propagation.conflicts)

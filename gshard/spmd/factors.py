@@ -246,9 +246,16 @@ def _solve_memo(rule, operands, results, mesh_items, defer_ties) -> tuple:
   return tuple(done.items()), tied
 
 
+def solve_by_factor(rule: FactorRule, operands: Sequence[Held | None],
+                    results: Sequence[Held | None], mesh) -> dict[str, Axes]:
+  """:func:`solve` without weighing a pin the op cannot carry against the
+  whole op's bytes (:func:`_unpinned_if_cheaper`): what the reports compare."""
+  return _solve(rule, operands, results, mesh, whole=False)[0]
+
+
 def _solve(rule: FactorRule, operands: Sequence[Held | None],
            results: Sequence[Held | None], mesh,
-           defer_ties: bool = False) -> tuple[dict[str, Axes], bool]:
+           defer_ties: bool = False, whole: bool = True) -> tuple[dict[str, Axes], bool]:
   tied = False
   hold, pairs = holders(rule, operands, results, mesh)
   choice: dict[str, Axes] = {}
@@ -301,7 +308,7 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
       keep.append(a)
       owner[a] = f
     done[f] = tuple(keep)
-  if not tied:
+  if whole and not tied:
     done = _unpinned_if_cheaper(done, choice, hold, pairs, rule, mesh, results)
   return done, tied
 

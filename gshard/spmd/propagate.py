@@ -108,7 +108,7 @@ def conflicts(graph: Graph) -> list[Conflict]:
   for b in graph.bounds:
     mesh = graph.mesh_sizes
     holders, _ = factors.holders(b.rule, b.operands, b.results, mesh)
-    solved = None
+    solved = by_factor = None
     for f in b.rule.factors:
       hs = holders[f]
       cands = sorted({h.proj for h in hs if h.proj or h.fixed})
@@ -134,8 +134,9 @@ def conflicts(graph: Graph) -> list[Conflict]:
         reason = "user annotation"
       if solved is None:
         solved = factors.solve(b.rule, b.operands, b.results, mesh)
-      if solved.get(f) in cands and solved[f] != best:
-        # the op as a whole: the ranked best would have it gather another axis
+        by_factor = factors.solve_by_factor(b.rule, b.operands, b.results, mesh)
+      if solved.get(f) in cands and solved[f] != by_factor.get(f):
+        # a pin the op could not carry, outweighed by the op's bytes
         best, reason = solved[f], "fewer bytes for the whole op"
       out.append(Conflict(
           b.eqn.primitive.name, source_of(b.eqn), f,
