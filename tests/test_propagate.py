@@ -423,10 +423,21 @@ def test_annotation_overrides_propagated_sharding(mesh):
   def f(x):
     y = jnp.sin(x)
     z = gshard.replicate(y)
-    return jnp.cos(z)
+    return jnp.cos(z).sum()        # not x's next value: see the next test
+  res = gshard.infer_shardings(f, mesh, in_specs=P("data", "model"))(jnp.ones((8, 16)))
+  assert [t for _, t in eqn_table(res)][:3] == [
+      "f32[8@data,16@model]", "f32[8,16]", "f32[8,16]"]
+
+
+def test_a_state_output_takes_its_inputs_layout_where_nothing_else_decides(mesh):
+  # f(x) returns x's next value: the program returns it in x's layout, so
+  # where propagation leaves it open (after a replicate, here) it is computed
+  # in that layout: the cos runs on each device's block, not on the whole.
+  def f(x):
+    return jnp.cos(gshard.replicate(jnp.sin(x)))
   res = gshard.infer_shardings(f, mesh, in_specs=P("data", "model"))(jnp.ones((8, 16)))
   assert [t for _, t in eqn_table(res)] == [
-      "f32[8@data,16@model]", "f32[8,16]", "f32[8,16]"]
+      "f32[8@data,16@model]", "f32[8,16]", "f32[8@data,16@model]"]
 
 
 def test_conflict_settled_by_user_annotation(mesh):

@@ -117,6 +117,9 @@ class Graph:
     # scans' stacked results laid out as the loop reading them needs
     # (spmd/stacked.py): their ys are stacked in that layout
     self.restacked: set[Tensor] = set()
+    # (state output, the input it is the next value of): the input's layout is
+    # the output's hint, settling a tie propagation left open (propagate)
+    self.hints: list[tuple[Tensor, Tensor]] = []
     self.top = jaxpr
     self._walk(jaxpr, ())
 

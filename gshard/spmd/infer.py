@@ -370,6 +370,17 @@ def pair_state(args, out_shape) -> dict[int, int]:
   return pairs or match(elements((out_shape,)))
 
 
+def hint_state(graph, args, out_shape) -> None:
+  """Hint each state output (:func:`pair_state`) with its input: propagation
+  gives it the input's layout where a tie left it open (it is returned in
+  that layout anyway)."""
+  jaxpr = graph.top
+  for j, i in pair_state(args, out_shape).items():
+    o, t = graph.tensor((), jaxpr.outvars[j]), graph.tensor((), jaxpr.invars[i])
+    if o is not None and t is not None and o is not t:
+      graph.hints.append((o, t))
+
+
 def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
             out_specs=None) -> ShardingResult:
   """Trace ``fn(*args)``, pin ``in_specs``/``out_specs``, propagate.
@@ -405,6 +416,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
         where = f"out_specs{path}"
         sharding, open_dims = spec_to_pin(spec, leaf.shape, mesh_sizes, where)
         graph.pin(t, sharding, open_dims, where)
+  hint_state(graph, args, out_shape)
   sweeps = propagate(graph)
   timings["propagate"] = time.perf_counter() - t1
   return ShardingResult(closed, dict(mesh_sizes), graph, graph.unsupported,

@@ -159,6 +159,24 @@ def _role(bound: Bound, t: Tensor) -> str:
 
 # -- the driver --------------------------------------------------------------
 
+def apply_hints(graph: Graph, touching) -> set[int]:
+  """Give each state output the dims of its input's layout it has left open
+  (a tie the first phase left to other constraints): the program returns it
+  in that layout anyway. The constraints touching a changed output."""
+  out: set[int] = set()
+  for o, i in graph.hints:
+    dims = list(i.sharding.dims)
+    for k in touching.get(id(o), ()):       # never a dim its maker keeps unsplit
+      b = graph.bounds[k]
+      for t, fs in zip(b.results, b.rule.results):
+        if t is o:
+          dims = [o.sharding.dims[d] if set(f) & b.rule.blocked else a
+                  for d, (a, f) in enumerate(zip(dims, fs))]
+    if refine(o, dims, graph.mesh_sizes):
+      out.update(touching.get(id(o), ()))
+  return out
+
+
 def propagate(graph: Graph) -> int:
   """Sweep forward and backward to a fixed point; returns the sweeps made
   (:func:`conflicts` reads the disagreements from the graph after).
@@ -222,6 +240,8 @@ def propagate(graph: Graph) -> int:
                   queued.add(j)
       sweeps += 1
     start = unsettled
+    if defer:
+      start |= apply_hints(graph, touching)
   pending, graph.released = settle(graph)
   for t, axes in pending.items():
     t.sharding = t.sharding.with_partial(axes)
