@@ -162,4 +162,7 @@ def test_a_pending_sum_two_pinned_cond_results_read_is_summed_once(pinned):
     for g, v in zip(got, want):
       np.testing.assert_allclose(g, v, rtol=1e-5, atol=1e-5)
   low = step.lower(state, x, w, True)
-  assert [(c.kind, c.axes) for c in low.collectives()] == [("psum", ("model",))], low.explain()
+  # one sum of X (a psum, or a reduce-scatter where both results are returned
+  # split: the first is x's next value, the second follows it through the cond)
+  ((kind, axes),) = [(c.kind, c.axes) for c in low.collectives()]
+  assert kind in ("psum", "psum_scatter") and axes == ("model",), low.explain()
