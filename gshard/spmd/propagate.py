@@ -160,19 +160,39 @@ def _role(bound: Bound, t: Tensor) -> str:
 # -- the driver --------------------------------------------------------------
 
 def apply_hints(graph: Graph, touching) -> set[int]:
-  """Give each state output the dims of its input's layout it has left open
-  (a tie the first phase left to other constraints): the program returns it
-  in that layout anyway. The constraints touching a changed output."""
+  """Give each state output its input's layout where it has left every dim of
+  it open (a tie the first phase left to other constraints): the program
+  returns it in that layout anyway. The constraints touching a changed
+  output.
+
+  Only where the hint is the whole story: the output is no program input
+  (an input returned is no new value), nothing but the program output reads
+  it (another reader would pay for the layout), its maker blocks none of the
+  input's splits (a part of a layout moves the reshard inside, before a
+  free slice), and its maker reads no other state output (that one is
+  returned in its own layout, which the hint would flow back into).
+  """
+  inputs = {id(graph.tensors.get(((), v))) for v in graph.top.invars}
+  state = {id(o) for o, _ in graph.hints}
   out: set[int] = set()
   for o, i in graph.hints:
-    dims = list(i.sharding.dims)
-    for k in touching.get(id(o), ()):       # never a dim its maker keeps unsplit
-      b = graph.bounds[k]
-      for t, fs in zip(b.results, b.rule.results):
-        if t is o:
-          dims = [o.sharding.dims[d] if set(f) & b.rule.blocked else a
-                  for d, (a, f) in enumerate(zip(dims, fs))]
-    if refine(o, dims, graph.mesh_sizes):
+    want = i.sharding.without_partial().dims
+    if id(o) in inputs or o.sharding.dims == want:
+      continue
+    makers = [graph.bounds[k] for k in touching.get(id(o), ())
+              if any(t is o for t in graph.bounds[k].results)]
+    readers = [k for k in touching.get(id(o), ())
+               if any(t is o for t in graph.bounds[k].operands)]
+    if readers or not makers or any(
+        id(t) in state for b in makers for t in b.operands if t is not None) or any(
+        set(f) & b.rule.blocked and axes for b in makers
+        for t, fs in zip(b.results, b.rule.results) if t is o
+        for axes, f in zip(want, fs)):
+      continue
+    before = o.sharding
+    if refine(o, want, graph.mesh_sizes) and o.sharding.dims != want:
+      o.sharding = before               # all or nothing
+    if o.sharding is not before:
       out.update(touching.get(id(o), ()))
   return out
 
