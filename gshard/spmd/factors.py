@@ -26,7 +26,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-
 from gshard.spmd import reshard
 from gshard.spmd.rules import FactorRule
 from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, is_refinement, itemsize

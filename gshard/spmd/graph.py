@@ -118,7 +118,8 @@ class Graph:
     # (spmd/stacked.py): their ys are stacked in that layout
     self.restacked: set[Tensor] = set()
     # (state output, the input it is the next value of): the input's layout is
-    # the output's hint, settling a tie propagation left open (propagate)
+    # the output's hint, settling a tie propagation left open (infer.hint_state,
+    # propagate.apply_hints)
     self.hints: list[tuple[Tensor, Tensor]] = []
     self.top = jaxpr
     self._walk(jaxpr, ())

@@ -371,9 +371,9 @@ def pair_state(args, out_shape) -> dict[int, int]:
 
 
 def hint_state(graph, args, out_shape) -> None:
-  """Hint each state output (:func:`pair_state`) with its input: propagation
-  gives it the input's layout where a tie left it open (it is returned in
-  that layout anyway)."""
+  """Hint each state output (:func:`pair_state`) with its input: it is
+  returned in the input's layout anyway, so where a tie left it open,
+  propagation gives it that layout (``propagate.apply_hints`` says where)."""
   jaxpr = graph.top
   for j, i in pair_state(args, out_shape).items():
     o, t = graph.tensor((), jaxpr.outvars[j]), graph.tensor((), jaxpr.invars[i])
