@@ -99,7 +99,8 @@ class Program:
     steps where split unevenly: any but a typed PRNG key array, which
     ``jax.random`` reads only as its own type (it leaves evenly, as any
     other output)."""
-    return frozenset(i for i in self.pairs.values() if not _is_key(self.flat_avals[i].dtype))
+    return frozenset(i for i in self.pairs.values()
+                     if not collectives.is_key(self.flat_avals[i].dtype))
 
   def padded_shape(self, i: int) -> tuple[int, ...]:
     """Input ``i``'s global shape inside the program (uneven dims padded)."""
@@ -174,10 +175,6 @@ def _literal(val, leaf):
     if y.dtype == leaf.dtype:
       return y
   return jax.numpy.asarray(val, leaf.dtype)
-
-
-def _is_key(dtype) -> bool:
-  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _shape_str(a) -> str:
@@ -306,7 +303,7 @@ class Partitioned:
       else:
         s = TensorSharding.replicated(len(leaf.shape))
       state = (j in pairs and not s.is_even(leaf.shape, self.mesh_sizes)
-               and not _is_key(leaf.dtype))
+               and not collectives.is_key(leaf.dtype))
       # not state: even inside (XLA's reshard of a sliced padded output crashed)
       out_sh.append(s if state else evenize(s, leaf.shape, self.mesh_sizes))
       padded.append(state)
