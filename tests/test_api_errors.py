@@ -267,6 +267,10 @@ def test_jax_debug_nans_names_the_primitive_and_the_users_line():
      "in_specs[0] is a tuple of 2, but argument 0 is a tuple of 3"),
     ((({"w": (P(), P())},), None), (({"w": "a8x8"},), "a16x8"),
      "in_specs[0][0]['w'] is a tuple of 2, but argument 0[0]['w'] is an array f32[8,8]"),
+    ((P("data"),), ("a16x8", "a8x8"),
+     "in_specs is a tuple of 1, but 2 positional arguments were passed"),
+    ((P("data"), None, None), ("a16x8",),
+     "in_specs is a tuple of 3, but 1 positional argument was passed"),
 ])
 def test_in_specs_that_do_not_fit_the_arguments_say_where_and_what(specs, args, said):
   # A spec pytree shaped unlike an argument named jax's tracer type

@@ -64,9 +64,14 @@ def flatten_specs(specs, tree, what: str = "in_specs", mesh_sizes=None):
     bad = _misfit(specs, tree, "")
     if bad is not None:
       path, spec, sub = bad
-      name = (f"argument {path[1:].split(']')[0]}{path[path.index(']') + 1:]}"
-              if what == "in_specs" and path else f"the output{path}")
-      e = (f"{what}{path} is {_kind(spec)}, but {name} is {_kind(sub)}. Give a "
+      if what == "in_specs" and not path:   # the tuple of positional arguments
+        there = (f"{len(sub)} positional argument"
+                 f"{' was' if len(sub) == 1 else 's were'} passed")
+      elif what == "in_specs":
+        there = f"argument {path[1:].split(']')[0]}{path[path.index(']') + 1:]} is {_kind(sub)}"
+      else:
+        there = f"the output{path} is {_kind(sub)}"
+      e = (f"{what}{path} is {_kind(spec)}, but {there}. Give a "
            "PartitionSpec (or None) for an array, and for a pytree a PartitionSpec for "
            "all of it or a pytree of them with its structure" +
            (f", on mesh {mesh_str(mesh_sizes)}" if mesh_sizes else ""))
