@@ -19,6 +19,7 @@ block is padding that must never reach a result. Checked here against
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -27,9 +28,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gshard
+from gshard.spmd.partition.padded import pad_to
 from helpers_numerics import check_steps
 from helpers_partition import assert_named_sharding, assert_trees_close, mesh
 
@@ -684,3 +687,72 @@ def test_vmap_of_uneven_state_elsewhere_than_in_front_is_an_error():
   for f in (lambda a: a.shape, lambda a: None, lambda a: str(a.dtype), jnp.linalg.norm):
     mapped = jax.tree.map(f, rows)
     assert mapped.shape == (5, 7) and "[5, 7]" in repr(mapped)
+
+
+# A state output split unevenly comes back a PaddedArray; a gradient shaped like
+# its weight is one. Its operators and array methods act on the logical value,
+# as jax.Array's do: ``0.1 * g`` raised TypeError (no __rmul__).
+_OPS = {
+    "scalar * p": lambda p, a: 0.5 * p, "p * scalar": lambda p, a: p * 0.5,
+    "a - scalar * p": lambda p, a: a - 0.1 * p, "p + a": lambda p, a: p + a,
+    "a + p": lambda p, a: a + p, "p - p": lambda p, a: p - p, "-p": lambda p, a: -p,
+    "abs": lambda p, a: abs(p), "p ** 2": lambda p, a: p ** 2,
+    "p / 3": lambda p, a: p / 3, "3 / (p + 10)": lambda p, a: 3 / (p + 10),
+    "p // 2": lambda p, a: p // 2, "p % 3": lambda p, a: p % 3,
+    "p > a": lambda p, a: p > a, "p <= 0": lambda p, a: p <= 0,
+    "p == a": lambda p, a: p == a, "p != p": lambda p, a: p != p,
+    "p @ a.T": lambda p, a: p @ a.T, "a.T @ p": lambda p, a: a.T @ p,
+    "p.T": lambda p, a: p.T, "p.sum(0)": lambda p, a: p.sum(0),
+    "p.mean()": lambda p, a: p.mean(), "p.astype(bf16)": lambda p, a: p.astype(jnp.bfloat16),
+    "p.reshape(-1)": lambda p, a: p.reshape(-1), "p.at[0].set(7)": lambda p, a: p.at[0].set(7),
+    "p.max(axis=1)": lambda p, a: p.max(axis=1),
+}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.sampled_from([5, 6, 7, 9, 10, 11, 13]), cols=st.integers(1, 4),
+       dtype=st.sampled_from(["float32", "int32"]), op=st.sampled_from(sorted(_OPS)))
+def test_a_padded_array_computes_as_its_logical_value(rows, cols, dtype, op):
+  m = mesh(*M24)
+  logical = jnp.arange(rows * cols, dtype=dtype).reshape(rows, cols) - 3
+  other = jnp.ones((rows, cols), dtype) * 2
+  padded = pad_to(logical, (8 * -(-rows // 8), cols), NamedSharding(m, P(("data", "model"))))
+  assert isinstance(padded, gshard.PaddedArray)
+  fn = _OPS[op]
+  want = fn(logical, other)
+  for got in (fn(padded, other), jax.jit(fn)(padded, other)):
+    assert not isinstance(got, gshard.PaddedArray)
+    assert got.dtype == want.dtype and got.shape == want.shape, op
+    if not jnp.issubdtype(want.dtype, jnp.floating):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=op)
+    else:
+      # a multiply-add fused or not (jit), a dot's cols products summed in
+      # another order: each rounding at most eps of the terms' magnitude
+      big_p, big_a = float(jnp.abs(logical).max()), 2.0
+      terms = cols * big_p * big_a + big_p + big_a
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                 rtol=0, atol=cols * float(jnp.finfo(want.dtype).eps) * terms,
+                                 err_msg=op)
+  # its rows, and no more (indexing alone never stops: jax clamps the index)
+  rows_seen = [np.asarray(r).tolist() for r in itertools.islice(padded, rows + 1)]
+  assert rows_seen == np.asarray(logical).tolist()
+  assert padded.block_until_ready() is padded
+
+
+def test_an_uneven_gradient_returned_padded_takes_an_sgd_update():
+  # partition(jax.grad(loss)): the gradient is paired with its weight (same
+  # structure, shape and dtype) and comes back padded; the user's update reads it
+  w, x = jnp.linspace(-1, 1, 140).reshape(10, 14), jnp.linspace(0, 1, 60).reshape(6, 10)
+
+  def loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+  g = gshard.partition(jax.grad(loss), mesh(*M24),
+                       in_specs=(P(None, "model"), P("data")))(w, x)
+  assert isinstance(g, gshard.PaddedArray)
+  want = jax.jit(jax.grad(loss))(w, x)
+  new = jax.tree.map(lambda p, d: p - 0.1 * d, w, g)
+  # one dot of 6 rows, a tanh and a square: a few ulps of the result
+  np.testing.assert_allclose(np.asarray(new), np.asarray(w - 0.1 * want), rtol=0,
+                             atol=16 * np.finfo(np.float32).eps)
+  with pytest.raises(TypeError, match="unhashable"):
+    hash(g)

@@ -103,6 +103,23 @@ class PaddedArray:
   def __len__(self) -> int:
     return self.shape[0]
 
+  def __iter__(self):
+    """The logical rows (indexing alone would never stop: jax clamps an index
+    past the end)."""
+    return iter(self.logical())
+
+  def block_until_ready(self):
+    """Wait for the padded data; returns ``self``."""
+    self.data.block_until_ready()
+    return self
+
+  def __getattr__(self, name):
+    """The methods and properties of ``jax.Array`` (``p.T``, ``p.astype(...)``,
+    ``p.sum()``, ``p.at[i].set(v)``) act on the logical value."""
+    if name in _ARRAY_ATTRS:
+      return getattr(self.logical(), name)
+    raise AttributeError(f"'PaddedArray' object has no attribute {name!r}")
+
   def __repr__(self) -> str:
     if _shape_of(self.data) is None:      # a jax.tree.map to shapes, names, None
       return f"PaddedArray({self.data!r}, logical shape {list(self.shape)})"
@@ -125,6 +142,33 @@ class PaddedArray:
       if mapped is not None:
         return cls(data, mapped, now)
     return cls(data, shape, held)
+
+
+# Operators act on the logical value, as jax.Array's do: ``w - 0.1 * g`` on a
+# gradient returned padded gives the jax.Array the unpartitioned step would.
+def _operator(name: str):
+  def op(self, *other):
+    return getattr(self.logical(), name)(*other)
+  op.__name__ = op.__qualname__ = name
+  op.__doc__ = f"``{name}`` of the logical value."
+  return op
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "divmod", "pow",
+              "matmul", "and", "or", "xor", "lshift", "rshift"):
+  for _form in (f"__{_name}__", f"__r{_name}__"):
+    setattr(PaddedArray, _form, _operator(_form))
+for _form in ("__neg__", "__pos__", "__abs__", "__invert__", "__lt__", "__le__", "__gt__",
+              "__ge__", "__eq__", "__ne__"):
+  setattr(PaddedArray, _form, _operator(_form))
+PaddedArray.__hash__ = None     # as jax.Array: compared elementwise, not hashable
+
+_ARRAY_ATTRS = frozenset({
+    "T", "mT", "all", "any", "argmax", "argmin", "argsort", "astype", "at", "clip",
+    "conj", "conjugate", "cumprod", "cumsum", "diagonal", "dot", "flatten", "imag",
+    "item", "max", "mean", "min", "nonzero", "prod", "ravel", "real", "repeat",
+    "reshape", "round", "sort", "squeeze", "std", "sum", "swapaxes", "take", "tolist",
+    "trace", "transpose", "var", "view"})
 
 
 def _shape_of(x) -> tuple | None:
