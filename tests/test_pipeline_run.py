@@ -562,3 +562,26 @@ def test_the_bubble_gate_keeps_no_weight_sized_mask_per_tick():
   masks = [v.aval for v in stacked_outs(low.per_device_jaxpr())
            if v.aval.dtype == np.bool_ and tuple(v.aval.shape[-2:]) in weight_shapes]
   assert not masks, masks
+
+
+@pytest.mark.parametrize("axis, warned", [("stages", True), ("Stage", True), ("stage", False),
+                                          ("pipe", False)])
+def test_a_stage_axis_close_to_a_mesh_axis_warns(axis, warned):
+  # A typo ran the plain loop quietly: the stack gathered whole on every
+  # device, no pipeline. A name unlike every axis is the documented plain loop.
+  stacked = pipeline.stack([{"w": jnp.eye(D) * 0.5, "b": jnp.zeros(D)} for _ in range(4)])
+  x = jnp.ones((16, D))
+
+  def f(stacked, x):
+    return pipeline.run(tanh_layer, stacked, x, num_microbatches=4, stage_axis=axis)
+  step = gshard.partition(f, mesh((2, 4), ("stage", "data")), in_specs=(P("stage"), P("data")))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step.lower(stacked, x)
+  said = [str(w.message) for w in caught if issubclass(w.category, gshard.PartitionWarning)
+          and "stage_axis" in str(w.message)]
+  if warned:
+    assert len(said) == 1 and "Did you mean stage_axis='stage'?" in said[0], said
+    assert all(w.filename == __file__ for w in caught if "stage_axis" in str(w.message))
+  else:
+    assert not said, said

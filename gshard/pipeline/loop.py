@@ -38,7 +38,9 @@ over the L layers (a ``lax.scan``). Under ``gshard.partition`` on a mesh whose
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -57,6 +59,7 @@ from gshard.pipeline.shift import shift
 from gshard.pipeline.stages import mask, merged, microbatches, on_stages, stage_major
 from gshard.pipeline.tables import SCHEDULES
 from gshard.pipeline.tables import schedule as make_schedule
+from gshard.spmd.partition.context import PartitionWarning
 from gshard.spmd.sharding import mesh_str
 
 CHUNK_WEIGHTS = "gshard_pipeline_chunk_weights"   # checkpoint_name of a tick's chunk weights
@@ -135,6 +138,8 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
   one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[len(layout.lead):],
                                                           jnp.result_type(a)), stacked)
   stages = None if mesh is None else mesh.get(stage_axis)
+  if stages is None and mesh:
+    _warn_near_miss(stage_axis, mesh)
   if stages is None or (stages == 1 and layout.balance is None):
     _check_layer_fn(layer_fn, one_layer, x, batch)
     y = _plain(layer_fn, layer_order(stacked, layout), x, remat)
@@ -162,6 +167,19 @@ def run(layer_fn: Callable, stacked, x, *, num_microbatches: int, stage_axis: st
 
 
 # -- checks ---------------------------------------------------------------------
+
+def _warn_near_miss(axis: str, mesh: dict[str, int]) -> None:
+  """Without ``stage_axis`` in the mesh, run is the plain loop (the model
+  code runs unchanged on a mesh without stages); a name close to one of the
+  mesh's axes is more likely a typo, which would quietly run every layer on
+  every stage device: say so."""
+  near = difflib.get_close_matches(axis, list(mesh), n=1, cutoff=0.75)
+  if near:
+    warnings.warn(PartitionWarning(
+        f"pipeline.run: stage_axis {axis!r} is not an axis of the mesh "
+        f"{mesh_str(mesh)}, so the layers run as the plain loop, not pipelined over "
+        f"{near[0]!r}. Did you mean stage_axis={near[0]!r}?"), stacklevel=3)
+
 
 def _where(mesh) -> str:
   return "off mesh" if mesh is None else f"on mesh {mesh_str(mesh)}"
