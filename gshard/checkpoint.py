@@ -186,7 +186,8 @@ def abstract_args(step, *args) -> tuple:
       out.append(_with_data(x, data) if is_padded(x) else padded_class(data, shape))
     else:
       out.append(jax.ShapeDtypeStruct(
-          shape, aval.dtype, sharding=NamedSharding(step.mesh, prog.in_place[i].to_spec())))
+          shape, aval.dtype, sharding=NamedSharding(step.mesh, prog.in_place[i].to_spec()),
+          weak_type=bool(getattr(aval, "weak_type", False))))
   return tuple(jax.tree_util.tree_unflatten(treedef, out))
 
 
@@ -362,10 +363,21 @@ def restore(source, target, *, step: int | None = None):
       treedef, [_data_target(_stored(x)) if d else _stored(x)
                 for (_, x), d in zip(pairs, as_data)])
   restored = run(restore_target)
-  flat = [jax.random.wrap_key_data(r, impl=saved[k]["key_impl"]) if d else r
-          for (k, _), d, r in zip(pairs, as_data, jax.tree_util.tree_leaves(restored))]
+  flat = [jax.random.wrap_key_data(r, impl=saved[k]["key_impl"]) if d
+          else _weak(r) if getattr(x, "weak_type", False) else r
+          for (k, x), d, r in zip(pairs, as_data, jax.tree_util.tree_leaves(restored))]
   return jax.tree_util.tree_unflatten(
       treedef, [_with_data(x, r) if is_padded(x) else r for (_, x), r in zip(pairs, flat)])
+
+
+def _weak(x):
+  """``x`` weakly typed, as its target: a step counter traced from a Python
+  ``0`` (``TrainState.step``) is a weak ``int32``, and a strong one restored
+  into the step would trace it anew (orbax restores every array strong)."""
+  from jax.extend.core.primitives import convert_element_type_p
+  if jax.typeof(x).weak_type:
+    return x
+  return convert_element_type_p.bind(x, new_dtype=x.dtype, weak_type=True, sharding=None)
 
 
 def _check_structure(saved: dict, wanted: list[str], where: str) -> None:

@@ -281,6 +281,33 @@ def test_state_with_python_scalars_restores(tmp_path, scalar_target):
   step(*got, x)          # it runs
 
 
+def test_a_restored_python_counter_is_weakly_typed_and_needs_no_new_trace(tmp_path):
+  """``TrainState.step`` starts as a Python ``0``: a weak int32 in the trace.
+  orbax restores it strong, and the resumed step traced anew (a second compile
+  of the whole program)."""
+  mesh = gshard.make_mesh((8,), ("d",))
+  traces = []
+
+  def train(w, count, lr, x):
+    traces.append(1)
+    return w - lr * (x @ w).sum(0), count + 1, lr
+
+  step = gshard.partition(train, mesh, in_specs=(P(None, "d"), None, None, P("d")))
+  w, x = jnp.arange(32.0).reshape(4, 8), jnp.ones((8, 4))
+  state = step(w, 0, 0.1, x)
+  assert [jax.typeof(v).weak_type for v in state[1:]] == [True, True]
+  gshard.checkpoint.save(tmp_path / "c", state)
+  target = gshard.checkpoint.abstract_args(step, w, 0, 0.1, x)[:3]
+  assert [t.weak_type for t in target] == [False, True, True]
+  got = gshard.checkpoint.restore(tmp_path / "c", target)
+  assert [jax.typeof(v).weak_type for v in got] == [False, True, True]
+  assert [v.sharding for v in got[1:]] == [t.sharding for t in target[1:]]
+  n = len(traces)
+  again = step(*got, x)
+  assert len(traces) == n
+  np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(step(*state, x)[0]))
+
+
 def test_leaves_whose_dotted_names_collide_are_an_error(tmp_path):
   """``{'a.b': x, 'a': {'b': y}}``: both leaves are 'a.b' in the checkpoint's
   names; one came back as the other, silently."""
