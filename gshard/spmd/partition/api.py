@@ -32,11 +32,11 @@ from gshard.spmd import _gc, collectives, infer
 from gshard.spmd.hoist import gather_early
 from gshard.spmd.infer import ShardingResult, analyze, flatten_specs, pair_state, spec_to_pin
 from gshard.spmd.inspect import Lowered
-from gshard.spmd.partition import nans
+from gshard.spmd.partition import derivative, nans
 from gshard.spmd.partition.checks import check_donate, check_donated_alias, check_windowed
 from gshard.spmd.partition.context import Context, Recorder, Value, evenize
 from gshard.spmd.partition.interpret import run_jaxpr
-from gshard.spmd.partition.padded import (PaddedArray, as_given, batched, elsewhere,
+from gshard.spmd.partition.padded import (PaddedArray, batched, elsewhere,
                                           is_padded, pad_to, traced)
 from gshard.spmd.sharding import (TensorSharding, mesh_sizes_of, mesh_str, short_dtype,
                                    mesh_scope, require_mesh, with_auto_axes)
@@ -209,6 +209,8 @@ class Partitioned:
     self._mesh_type = mesh if self._abstract else mesh.abstract_mesh
     self._cache: dict[tuple, Program] = {}
     self._local = threading.local()     # .placing: a dispatch of laid-out state
+    self.pairs_override: dict[int, int] | None = None   # derivative.py's jvp program
+    self._jvps: dict = {}
     self.__wrapped__ = fn
     self.__name__ = getattr(fn, "__name__", "partitioned")
 
@@ -259,7 +261,8 @@ class Partitioned:
     timings = dict(result.timings)
     t0 = time.perf_counter()
     out_leaves, out_tree = jax.tree_util.tree_flatten(result.out_shape)
-    pairs = pair_state(logical_args, result.out_shape)
+    pairs = (pair_state(logical_args, result.out_shape) if self.pairs_override is None
+             else self.pairs_override)
     in_sh, out_sh, padded_out = self._boundary(result, out_leaves, pairs)
     gather_early(result.graph, out_sh)
     ctx = Context(result.graph, self.mesh_sizes, Recorder(), self.strict, run_jaxpr,
@@ -367,8 +370,9 @@ class Partitioned:
       check_donated_alias(self.__name__, args, self.donate_argnums)
     try:
       with mesh_scope(self.mesh):
-        out = self._call(*args)
-      return as_given(args, out, self.program(*args).pairs) if traced(args) else out
+        if traced(args):      # its derivative gshard's program of jax.jvp(fn)
+          return derivative.traced_call(self, args, self._call)
+        return self._call(*args)
     except Exception as e:     # jax_debug_nans: found op by op on one device
       raise (nans.localize(self.fn, args, self.__name__, e) if nans.failed_check(e) else e)
 
