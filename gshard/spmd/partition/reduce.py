@@ -269,12 +269,16 @@ def cumulative_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
                          "block totals").x
     j = lax.broadcasted_iota(jnp.int32, totals.shape, dim)
     before = (j > me) & (j * rows < size) if reverse else j < me
-    offset = lax.expand_dims(lax.reduce(jnp.where(before, totals, identity), identity,
-                                        op, (dim,)), (dim,))
+    # the reduction's own primitive (jax transposes reduce_sum; a generic
+    # lax.reduce, which the identity traced inside the body made, it does not)
+    offset = lax.expand_dims(getattr(lax, reduction)(jnp.where(before, totals, identity),
+                                                     (dim,)), (dim,))
+    if zero_sign:
+      # XLA's scan of more than one row adds its +0.0 init: so does the first
+      # block's (the offset is +0.0 there). A select on the values would
+      # do the same, but not transpose (jax.grad of a partitioned cumsum)
+      return op(offset, local)
     real_before = (me + 1) * rows < size if reverse else me > 0
-    y = jnp.where(real_before, op(offset, local), local)
-    if zero_sign:   # XLA's scan adds its +0.0 init (not to a 1-row block)
-      y = jnp.where(y == 0, jnp.zeros_like(y), y)
-    return y
+    return jnp.where(real_before, op(offset, local), local)
 
   return bind_local(ctx, eqn, plan, ins, bind=scan)
