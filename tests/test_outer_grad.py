@@ -57,6 +57,10 @@ OPS = {
         0.1 * x[:, :4].reshape(-1, 2, 2) + 3 * jnp.eye(2), x[:, 4:6].reshape(-1, 2, 1)),
     "log_softmax over the split dim": lambda x, d: jax.nn.log_softmax(x, axis=d),
     "cummax over the split dim": lambda x, d: jax.lax.cummax(x, axis=d),
+    # its tangent is a cumsum: transposed in reverse mode (a select on the
+    # values and a generic reduce in the rule did not transpose)
+    "cumsum over the split dim": lambda x, d: jax.lax.cumsum(x, axis=d) ** 2,
+    "reverse cumsum": lambda x, d: jax.lax.cumsum(x, axis=d, reverse=True) ** 2,
 }
 
 
@@ -119,21 +123,37 @@ def test_jvp_of_a_partitioned_function_is_the_functions_jvp(case):
                       n=x.size, what=f"{op}: ")
 
 
-def test_a_custom_vjp_reached_from_outside_is_an_error_naming_the_fix():
-  # a straight-through estimator: its gradient was 0 (the body's round), silently
-  @jax.custom_vjp
-  def ste(x):
-    return jnp.round(x)
-  ste.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+@jax.custom_vjp
+def _ste(x):
+  return jnp.round(x)
 
-  def loss(x):
-    return jnp.sum(ste(x))
-  x = jnp.linspace(-2, 2, 8)
-  m = mesh((8,), ("a",))
-  with pytest.raises(TypeError, match=r"custom_vjp .*gshard.partition\(jax.grad\(loss\)"):
-    jax.grad(gshard.partition(loss, m, in_specs=(P("a"),)))(x)
-  inside = gshard.partition(jax.grad(loss), m, in_specs=(P("a"),))(x)
-  np.testing.assert_array_equal(np.asarray(inside), np.ones(8, np.float32))
+
+_ste.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g * 0.5,))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), scale=st.sampled_from([1, 2]))
+def test_a_custom_vjp_differentiated_from_outside_runs_its_own_rule(case, scale):
+  # a straight-through estimator (its rule: half the cotangent): the gradient
+  # was 0 (the body's round), silently. Reverse mode is the custom_vjp's own
+  # rule; an int argument and a weight dict ride along
+  (shape, names), spec, d, op, x = case
+
+  def loss(params, x, k):
+    y = OPS[op](_ste(x * 1.5) * k, d)
+    return jnp.sum(_weights(y.shape) * y) + params["b"] * params["c"]
+  params = {"b": jnp.float32(0.25), "c": jnp.float32(3.0)}
+  part = gshard.partition(loss, mesh(shape, names), in_specs=(None, spec, None))
+  grad = jax.grad(loss, argnums=(0, 1))
+  want = jax.jit(grad)(params, x, scale)
+  exact = f64_run(jax.jit(grad), params, x, scale)
+  for got in (jax.grad(part, argnums=(0, 1))(params, x, scale),
+              jax.jit(jax.grad(part, argnums=(0, 1)))(params, x, scale)):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert_close_to_f64(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want), exact,
+                        n=x.size, what=f"{op}: ")
+  with pytest.raises(TypeError, match="forward-mode"):   # jax's own refusal
+    jax.jvp(lambda x: part(params, x, scale), (x,), (x,))
 
 
 def test_grad_of_a_partitioned_train_step_with_padded_state():
@@ -158,3 +178,34 @@ def test_grad_of_a_partitioned_train_step_with_padded_state():
   # the step's own output, padded, differentiated through
   g = jax.grad(lambda p: jnp.sum(jnp.asarray(part(p, x)[0]) ** 2))(padded)
   assert isinstance(g, gshard.PaddedArray) and g.shape == (10, 14)
+
+
+def test_remat_scan_and_closures_around_a_partitioned_call():
+  m = mesh((8,), ("a",))
+  x = jnp.cos(jnp.arange(16.0))
+  sin = gshard.partition(jnp.sin, m, in_specs=(P("a"),))
+  # jax.checkpoint around the call: the jvp program ran wrapped in a
+  # custom_jvp of its own, whose primal outputs remat could not separate
+  for g in (jax.grad(lambda w: jnp.sum(jax.checkpoint(sin)(w))),
+            jax.jit(jax.grad(lambda w: jnp.sum(jax.checkpoint(sin)(w))))):
+    np.testing.assert_allclose(np.asarray(g(x)), np.cos(np.asarray(x)), rtol=1e-6)
+
+  def body(c, row):
+    return c + jax.checkpoint(sin)(row * c).sum(), None
+  got = jax.grad(lambda c: jax.lax.scan(body, c, jnp.ones((3, 8)))[0])(1.0)
+  want = jax.grad(lambda c: jax.lax.scan(
+      lambda c, row: (c + jnp.sin(row * c).sum(), None), c, jnp.ones((3, 8)))[0])(1.0)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  # a traced value the function closes over (an outer grad's parameter):
+  # it read as a constant of the per-device program, whose max gave 0
+  for closure in (lambda s: gshard.partition(lambda x: jnp.max(x * s), m,
+                                             in_specs=(P("a"),))(x),
+                  lambda s: gshard.partition(lambda x: jnp.max(x * s), m,
+                                             in_specs=(P("a"),))(x * 1)):
+    assert float(jax.grad(closure)(2.0)) == float(jnp.max(x))
+    assert float(jax.jit(jax.grad(closure))(2.0)) == float(jnp.max(x))
+  # second order: the jvp program's own derivative
+  top = gshard.partition(lambda w: jnp.max(jnp.sin(w) * w), m, in_specs=(P("a"),))
+  np.testing.assert_allclose(np.asarray(jax.hessian(top)(x)),
+                             np.asarray(jax.hessian(lambda w: jnp.max(jnp.sin(w) * w))(x)),
+                             rtol=1e-5, atol=1e-6)

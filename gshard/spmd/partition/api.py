@@ -370,7 +370,8 @@ class Partitioned:
       check_donated_alias(self.__name__, args, self.donate_argnums)
     try:
       with mesh_scope(self.mesh):
-        if traced(args):      # its derivative gshard's program of jax.jvp(fn)
+        if traced(args) or derivative.closes_over_tracers(self, args):
+          # its derivative gshard's program of jax.jvp(fn)
           return derivative.traced_call(self, args, self._call)
         return self._call(*args)
     except Exception as e:     # jax_debug_nans: found op by op on one device

@@ -24,7 +24,9 @@ import numpy as np
 
 from gshard.spmd import infer
 from gshard.spmd.graph import sub_jaxprs
-from gshard.spmd.partition.padded import PaddedArray, as_given, is_padded
+from gshard.annotate import mesh_context
+from gshard.spmd.partition.padded import PaddedArray, as_given, is_padded, logical_args
+from gshard.spmd.sharding import mesh_scope
 from gshard.spmd.source import source_of
 
 
@@ -45,7 +47,11 @@ def traced_call(part, args: tuple, call: Callable):
   ``part``'s partition of ``jax.jvp(part.fn)``; ``call`` runs ``part``'s own
   program (``Partitioned._call``)."""
   prog = part.program(*args)
+  if closes_over_tracers(part, args):
+    return _closed_over(part, args)
   leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
+  if _custom_vjp_in(prog.result.jaxpr.jaxpr) is not None:
+    return _reverse_only(part, prog, treedef, args, call)
 
   @jax.custom_jvp
   def f(*xs):
@@ -53,27 +59,117 @@ def traced_call(part, args: tuple, call: Callable):
 
   @f.defjvp
   def f_jvp(primals, tangents):
-    where = _custom_vjp_in(prog.result.jaxpr.jaxpr)
-    if where is not None:
-      raise TypeError(
-          f"jax.grad / jax.jvp of the partitioned {part.__name__} reached a jax.custom_vjp "
-          f"function (at {where}): gshard differentiates a partitioned function as "
-          "jax.jvp of it, and a custom_vjp has a reverse-mode rule only. Differentiate "
-          f"inside instead: gshard.partition(jax.grad({part.__name__}), mesh, ...) "
-          "partitions the custom_vjp's own backward rule.")
     p_leaves = jax.tree_util.tree_flatten(tuple(primals), is_leaf=is_padded)[0]
     t_leaves = treedef.flatten_up_to(tuple(tangents))
     t_in = [t if _differentiable(p.data if is_padded(p) else p) else p
             for p, t in zip(p_leaves, t_leaves)]
     jvp = _jvp_partitioned(part, prog, treedef, args)
-    # padded only where the input was (as a traced call's outputs: as_given)
-    outs = list(as_given((*p_leaves, *t_in), jvp(*p_leaves, *t_in), jvp.pairs_override))
+    # its program run as it is: wrapped in a custom_jvp of its own (a traced
+    # call's), jax's remat could not tell its primal outputs from its tangents
+    # (jax.checkpoint around the partitioned call); padded only where the input
+    # was (as a traced call's outputs: as_given)
+    with mesh_scope(part.mesh):
+      got = jvp._call(*p_leaves, *t_in)
+    outs = list(as_given((*p_leaves, *t_in), got, jvp.pairs_override))
     n = len(outs) // 2
     tans = [t if _differentiable(o.data if is_padded(o) else o) else _zero_tangent(o)
             for o, t in zip(outs[:n], outs[n:])]
     return (jax.tree_util.tree_unflatten(prog.out_tree, outs[:n]),
             jax.tree_util.tree_unflatten(prog.out_tree, tans))
 
+  return f(*args)
+
+
+def closes_over_tracers(part, args: tuple) -> bool:
+  """Whether ``part.fn`` reads traced values it closes over (its program's
+  constants), with ``args`` themselves perhaps concrete."""
+  return any(isinstance(c, jax.core.Tracer) for c in part.program(*args).result.jaxpr.consts)
+
+
+def _closed_over(part, args: tuple):
+  """``part(*args)`` where ``fn`` closes over traced values (an outer
+  ``jax.grad``'s parameters, read by ``partition(lambda x: apply(params, x))``):
+  those become arguments (``jax.closure_convert``), left to propagation, so
+  their derivative is the partitioned one too, not jax's of the per-device
+  program (which reads them as constants)."""
+  fn = infer.with_keywords(part.fn, tuple(args), None)[0]
+  with mesh_context(part.mesh_sizes):
+    converted, consts = jax.closure_convert(fn, *logical_args(tuple(args)))
+  specs = part.in_specs
+  if specs is not None:
+    specs = tuple(specs) if isinstance(specs, (tuple, list)) else (specs,)
+    specs = specs + (None,) * (len(args) - len(specs)) + (None,) * len(consts)
+
+  def hoisted(*xs):
+    return converted(*xs)
+  hoisted.__name__ = part.__name__
+  inner = type(part)(hoisted, part.mesh, in_specs=specs, out_specs=part.out_specs,
+                     strict=part.strict, windowed_einsum=part.windowed_einsum)
+  return inner(*args, *consts)
+
+
+def _reverse_only(part, prog, treedef, args, call: Callable):
+  """The call as a ``jax.custom_vjp`` (``fn`` calls one, which has a
+  reverse-mode rule only): forward, the partitioned ``jax.vjp(fn)``, its
+  outputs in ``prog``'s layouts and the pullback's residuals as propagation
+  lays them out; backward, the partitioned pullback, each cotangent in its
+  primal's layout (padded where that is). Forward mode is jax's error, as for
+  any custom_vjp."""
+  n_in, n_out = len(prog.flat_avals), len(prog.out_avals)
+  fn = infer.with_keywords(part.fn, tuple(args), None)[0]
+  ins = tuple(s.to_spec() for s in prog.in_shardings)
+  outs = tuple(s.to_spec() for s in prog.out_shardings)
+  grads = [j for j, a in enumerate(prog.out_avals) if _differentiable(a)]
+  made: dict = {}
+
+  def forward(*primals):
+    out, pullback = jax.vjp(fn, *jax.tree_util.tree_unflatten(treedef, primals))
+    res, made["res"] = jax.tree_util.tree_flatten(pullback)
+    return tuple(jax.tree_util.tree_leaves(out)), tuple(res)
+  forward.__name__ = f"vjp_{part.__name__}"
+
+  def backward(*flat):
+    primals, res, cts = flat[:n_in], flat[n_in:-len(grads) or None], flat[len(flat) - len(grads):]
+    full = [np.zeros(np.shape(a), jax.dtypes.float0) for a in prog.out_avals]
+    for j, c in zip(grads, cts):
+      full[j] = c
+    pullback = jax.tree_util.tree_unflatten(made["res"], res)
+    got = jax.tree_util.tree_leaves(pullback(jax.tree_util.tree_unflatten(prog.out_tree, full)))
+    # a leaf jax does not differentiate: its value stands in (no float0 leaves a program)
+    return tuple(p if g.dtype == jax.dtypes.float0 else g for p, g in zip(primals, got))
+  backward.__name__ = f"pullback_{part.__name__}"
+
+  fwd_part = type(part)(forward, part.mesh, in_specs=ins, out_specs=(outs, None),
+                        strict=part.strict, windowed_einsum=part.windowed_einsum)
+  fwd_part.pairs_override = dict(prog.pairs)
+
+  @jax.custom_vjp
+  def f(*xs):
+    return as_given(xs, call(*xs), prog.pairs)
+
+  def f_fwd(*xs):
+    flat = jax.tree_util.tree_flatten(tuple(xs), is_leaf=is_padded)[0]
+    y, res = fwd_part(*flat)
+    y = as_given(flat, list(y), prog.pairs)
+    return jax.tree_util.tree_unflatten(prog.out_tree, y), (flat, res)
+
+  def f_bwd(saved, ct):
+    flat, res = saved
+    cts = jax.tree_util.tree_flatten(ct, is_leaf=is_padded)[0]
+    laid = fwd_part.program(*flat).out_shardings[n_out:]
+    bwd_part = type(part)(backward, part.mesh,
+                          in_specs=ins + tuple(s.to_spec() for s in laid)
+                          + tuple(outs[j] for j in grads),
+                          out_specs=ins, strict=part.strict,
+                          windowed_einsum=part.windowed_einsum)
+    bwd_part.pairs_override = {i: i for i in range(n_in)}
+    got = as_given(flat, list(bwd_part(*flat, *res, *(cts[j] for j in grads))),
+                   bwd_part.pairs_override)
+    got = [g if _differentiable(p.data if is_padded(p) else p) else None
+           for p, g in zip(flat, got)]
+    return tuple(jax.tree_util.tree_unflatten(treedef, got))
+
+  f.defvjp(f_fwd, f_bwd)
   return f(*args)
 
 
