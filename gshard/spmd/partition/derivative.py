@@ -1,4 +1,4 @@
-"""Derivatives of a partitioned function: gshard's partition of ``jax.jvp(fn)``.
+"""Derivatives of a partitioned function taken from outside it.
 
 Under ``jax.grad`` or ``jax.jvp`` of ``gshard.partition(fn)`` (directly, or
 through an outer ``jax.jit``), jax would differentiate the per-device program,
@@ -11,7 +11,9 @@ value is the partitioned ``fn``; its derivative is the partitioned
 ``jax.jvp(fn)``, with the same layouts at the boundary (the tangent of a leaf
 in its primal's layout), so ``jax.grad`` linearizes and transposes gshard's
 program of the true derivative (reverse mode computes the forward once: the
-jvp program's primal half).
+jvp program's primal half). Where ``fn`` calls a ``custom_vjp`` (reverse
+mode only), the call is a ``jax.custom_vjp`` of the partitioned ``jax.vjp``
+and pullback; traced values ``fn`` closes over become arguments first.
 """
 
 from __future__ import annotations
@@ -22,12 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gshard.annotate import mesh_context
 from gshard.spmd import infer
 from gshard.spmd.graph import sub_jaxprs
-from gshard.annotate import mesh_context
 from gshard.spmd.partition.padded import PaddedArray, as_given, is_padded, logical_args
 from gshard.spmd.sharding import mesh_scope
-from gshard.spmd.source import source_of
 
 
 def _differentiable(x) -> bool:
@@ -49,8 +50,8 @@ def traced_call(part, args: tuple, call: Callable):
   prog = part.program(*args)
   if closes_over_tracers(part, args):
     return _closed_over(part, args)
-  leaves, treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)
-  if _custom_vjp_in(prog.result.jaxpr.jaxpr) is not None:
+  treedef = jax.tree_util.tree_flatten(tuple(args), is_leaf=is_padded)[1]
+  if _calls_custom_vjp(prog.result.jaxpr.jaxpr):
     return _reverse_only(part, prog, treedef, args, call)
 
   @jax.custom_jvp
@@ -173,17 +174,11 @@ def _reverse_only(part, prog, treedef, args, call: Callable):
   return f(*args)
 
 
-def _custom_vjp_in(jaxpr):
-  """The source line of the first ``custom_vjp`` call in ``jaxpr`` (nested
-  jaxprs included), or None."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name.startswith("custom_vjp_call"):
-      return source_of(eqn) or "<unknown source>"
-    for _, sub in sub_jaxprs(eqn.params):
-      found = _custom_vjp_in(sub)
-      if found is not None:
-        return found
-  return None
+def _calls_custom_vjp(jaxpr) -> bool:
+  """Whether ``jaxpr`` (nested jaxprs included) calls a ``custom_vjp``."""
+  return any(eqn.primitive.name.startswith("custom_vjp_call")
+             or any(_calls_custom_vjp(sub) for _, sub in sub_jaxprs(eqn.params))
+             for eqn in jaxpr.eqns)
 
 
 def _jvp_partitioned(part, prog, treedef, args):
