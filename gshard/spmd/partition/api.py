@@ -210,6 +210,7 @@ class Partitioned:
     self._cache: dict[tuple, Program] = {}
     self._local = threading.local()     # .placing: a dispatch of laid-out state
     self.pairs_override: dict[int, int] | None = None   # derivative.py's jvp program
+    self.reads_tracers = False     # a program built reads traced values fn closes over
     self._jvps: dict = {}
     self.__wrapped__ = fn
     self.__name__ = getattr(fn, "__name__", "partitioned")
@@ -258,6 +259,7 @@ class Partitioned:
           f"{str(outs).replace(chr(39), '')}. Give one entry per output in that "
           "structure (None leaves them to propagation), or one PartitionSpec for all "
           f"of them, on mesh {mesh_str(self.mesh_sizes)}.") from None
+    self.reads_tracers |= any(isinstance(c, jax.core.Tracer) for c in result.jaxpr.consts)
     timings = dict(result.timings)
     t0 = time.perf_counter()
     out_leaves, out_tree = jax.tree_util.tree_flatten(result.out_shape)

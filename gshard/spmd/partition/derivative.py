@@ -84,7 +84,18 @@ def traced_call(part, args: tuple, call: Callable):
 def closes_over_tracers(part, args: tuple) -> bool:
   """Whether ``part.fn`` reads traced values it closes over (its program's
   constants), with ``args`` themselves perhaps concrete."""
+  if part._cache and not part.reads_tracers:   # no program built so far reads one:
+    return False                             # a steady-state call looks nothing up
   return any(isinstance(c, jax.core.Tracer) for c in part.program(*args).result.jaxpr.consts)
+
+
+def _sibling(part, fn: Callable, in_specs, out_specs, pairs=None):
+  """A ``Partitioned`` of ``fn`` on ``part``'s mesh and options; ``pairs``, its
+  state pairs where they are not found by structure."""
+  made = type(part)(fn, part.mesh, in_specs=in_specs, out_specs=out_specs,
+                    strict=part.strict, windowed_einsum=part.windowed_einsum)
+  made.pairs_override = pairs
+  return made
 
 
 def _closed_over(part, args: tuple):
@@ -104,9 +115,7 @@ def _closed_over(part, args: tuple):
   def hoisted(*xs):
     return converted(*xs)
   hoisted.__name__ = part.__name__
-  inner = type(part)(hoisted, part.mesh, in_specs=specs, out_specs=part.out_specs,
-                     strict=part.strict, windowed_einsum=part.windowed_einsum)
-  return inner(*args, *consts)
+  return _sibling(part, hoisted, specs, part.out_specs)(*args, *consts)
 
 
 def _reverse_only(part, prog, treedef, args, call: Callable):
@@ -140,9 +149,7 @@ def _reverse_only(part, prog, treedef, args, call: Callable):
     return tuple(p if g.dtype == jax.dtypes.float0 else g for p, g in zip(primals, got))
   backward.__name__ = f"pullback_{part.__name__}"
 
-  fwd_part = type(part)(forward, part.mesh, in_specs=ins, out_specs=(outs, None),
-                        strict=part.strict, windowed_einsum=part.windowed_einsum)
-  fwd_part.pairs_override = dict(prog.pairs)
+  fwd_part = _sibling(part, forward, ins, (outs, None), dict(prog.pairs))
 
   @jax.custom_vjp
   def f(*xs):
@@ -158,12 +165,8 @@ def _reverse_only(part, prog, treedef, args, call: Callable):
     flat, res = saved
     cts = jax.tree_util.tree_flatten(ct, is_leaf=is_padded)[0]
     laid = fwd_part.program(*flat).out_shardings[n_out:]
-    bwd_part = type(part)(backward, part.mesh,
-                          in_specs=ins + tuple(s.to_spec() for s in laid)
-                          + tuple(outs[j] for j in grads),
-                          out_specs=ins, strict=part.strict,
-                          windowed_einsum=part.windowed_einsum)
-    bwd_part.pairs_override = {i: i for i in range(n_in)}
+    bwd_part = _sibling(part, backward, ins + tuple(s.to_spec() for s in laid)
+                        + tuple(outs[j] for j in grads), ins, {i: i for i in range(n_in)})
     got = as_given(flat, list(bwd_part(*flat, *res, *(cts[j] for j in grads))),
                    bwd_part.pairs_override)
     got = [g if _differentiable(p.data if is_padded(p) else p) else None
@@ -207,8 +210,7 @@ def _jvp_partitioned(part, prog, treedef, args):
 
   ins = tuple(s.to_spec() for s in prog.in_shardings) * 2
   outs = tuple(s.to_spec() for s in prog.out_shardings) * 2
-  jvp = type(part)(jvp_of, part.mesh, in_specs=ins, out_specs=outs, strict=part.strict,
-                   windowed_einsum=part.windowed_einsum)
-  jvp.pairs_override = {**prog.pairs, **{n_out + j: n_in + i for j, i in prog.pairs.items()}}
+  jvp = _sibling(part, jvp_of, ins, outs,
+                 {**prog.pairs, **{n_out + j: n_in + i for j, i in prog.pairs.items()}})
   jvps[key] = (prog, jvp)
   return jvp
