@@ -206,7 +206,8 @@ def view(t: Held | None):
 
 
 def solve(rule: FactorRule, operands: Sequence[Held | None],
-          results: Sequence[Held | None], mesh, defer_ties: bool = False) -> dict[str, Axes]:
+          results: Sequence[Held | None], mesh, defer_ties: bool = False,
+          settled: bool = False) -> dict[str, Axes]:
   """Per-factor axes for one rule over these tensors, each mesh axis given to one
   factor (the better supported one; a contested axis goes where it sends fewer
   bytes, by exact reshard plans).
@@ -218,30 +219,35 @@ def solve(rule: FactorRule, operands: Sequence[Held | None],
   optimizer update needs, not the first operand's; a MoE combine's gradient,
   the groups' layout its gating backward reads, not the larger operand's).
 
+  With ``settled`` (layouts after propagation: the partitioner's question),
+  a split ``sum`` factor an operand lacks may be contracted unsplit
+  (:func:`_summed_axes`); while propagating, that operand may still take
+  the split, so it is not asked.
+
   Pure in the tensors' shardings, pins, shapes and dtypes: memoised on them,
   so the repeated layers of a model are solved once.
   """
-  return solve_tied(rule, operands, results, mesh, defer_ties)[0]
+  return solve_tied(rule, operands, results, mesh, defer_ties, settled)[0]
 
 
 def solve_tied(rule: FactorRule, operands: Sequence[Held | None],
                results: Sequence[Held | None], mesh,
-               defer_ties: bool = False) -> tuple[dict[str, Axes], bool]:
+               defer_ties: bool = False, settled: bool = False) -> tuple[dict[str, Axes], bool]:
   """:func:`solve`, and whether a tie was left to other constraints (without
   one, ``defer_ties`` changed nothing: the answer is the same either way)."""
   try:
     key = (rule, tuple(map(view, operands)), tuple(map(view, results)),
-           tuple(mesh.items()), defer_ties)
+           tuple(mesh.items()), defer_ties, settled)
     hash(key)
   except TypeError:        # a dtype jax cannot hash: solve it anew
-    return _solve(rule, operands, results, mesh, defer_ties)
+    return _solve(rule, operands, results, mesh, defer_ties, settled=settled)
   items, tied = _solve_memo(*key)
   return dict(items), tied
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _solve_memo(rule, operands, results, mesh_items, defer_ties) -> tuple:
-  done, tied = _solve(rule, operands, results, dict(mesh_items), defer_ties)
+def _solve_memo(rule, operands, results, mesh_items, defer_ties, settled) -> tuple:
+  done, tied = _solve(rule, operands, results, dict(mesh_items), defer_ties, settled=settled)
   return tuple(done.items()), tied
 
 
@@ -254,7 +260,8 @@ def solve_by_factor(rule: FactorRule, operands: Sequence[Held | None],
 
 def _solve(rule: FactorRule, operands: Sequence[Held | None],
            results: Sequence[Held | None], mesh,
-           defer_ties: bool = False, whole: bool = True) -> tuple[dict[str, Axes], bool]:
+           defer_ties: bool = False, whole: bool = True,
+           settled: bool = False) -> tuple[dict[str, Axes], bool]:
   tied = False
   hold, pairs = holders(rule, operands, results, mesh)
   choice: dict[str, Axes] = {}
@@ -307,9 +314,34 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
       keep.append(a)
       owner[a] = f
     done[f] = tuple(keep)
+  for f in rule.reduction if settled else ():
+    if done.get(f):
+      done[f] = _summed_axes(f, done, hold[f], pairs, rule, mesh, results)
   if whole and not tied:
     done = _unpinned_if_cheaper(done, choice, hold, pairs, rule, mesh, results)
   return done, tied
+
+
+def _summed_axes(f: str, choice: dict, hs: list[Holder], pairs, rule: FactorRule, mesh,
+                 results) -> Axes:
+  """The axes split ``sum`` factor ``f`` keeps (the result's pending sum), of
+  those ``choice`` gives it: the ones every operand holds, the rest gathered,
+  where that sends no more bytes (exact reshards) than the least that
+  resolving the sum over all of them sends (a reduce-scatter, which a later
+  gather of the result can double); else all of them.
+
+  An activation split on its contracted feature dim with a replicated weight
+  (``x[:, D@a] @ w``) is gathered, as GSPMD does, rather than all-reducing
+  the larger ``x @ w``. Where every operand is split on the factor (data
+  parallelism's weight gradient, Megatron's row-parallel layer) the sum
+  stays pending: no operand grows, no compute repeats.
+  """
+  axes = choice[f]
+  kept = tuple(a for a in axes if all(a in h.proj for h in hs))
+  if kept == axes or (_assignment_bytes({**choice, f: axes}, pairs, rule, mesh, results)
+                      < _assignment_bytes({**choice, f: kept}, pairs, rule, mesh, results)):
+    return axes
+  return kept
 
 
 def _unpinned_if_cheaper(done: dict, choice: dict, hold, pairs, rule: FactorRule, mesh,
@@ -422,9 +454,12 @@ def _assignment_bytes(choice, pairs, rule: FactorRule, mesh, results=()) -> floa
   return total
 
 
-def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> frozenset[str]:
-  """Axes of the split ``sum`` factors, as the operands hold them: the result of
-  the local op is a partial sum over these."""
+def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh,
+                 results: Sequence[Held | None] = ()) -> frozenset[str]:
+  """Axes of the split ``sum`` factors, as the operands hold them (layouts
+  after propagation): the result of the local op is a partial sum over
+  these. Where an operand lacks one, the partitioner's solve says whether it
+  is gathered instead (:func:`_summed_axes`, given ``results``)."""
   if not rule.reduction:
     return frozenset()
   hold, _ = holders(rule, operands, [], mesh)
@@ -432,5 +467,10 @@ def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh) -> fro
   for f in rule.reduction:
     hs = hold[f]
     c = choose(f, hs, rule, mesh) if hs else None
+    if c and results and any(not set(c) <= set(h.proj) for h in hs):
+      # the axes the settled solve gathers rather than sums
+      gathered = (set(solve(rule, operands, results, mesh).get(f, ()))
+                  - set(solve(rule, operands, results, mesh, settled=True).get(f, ())))
+      c = tuple(a for a in c if a not in gathered)
     partial.update(c or ())
   return frozenset(partial)

@@ -80,7 +80,7 @@ def produced(b: Bound, mesh, pending=None, reduced=None) -> frozenset[str]:
   """The pending axes ``b``'s op gives its result, before any is resolved: its
   split ``sum`` factors' axes and what its linearity carries from the operands."""
   if reduced is None:
-    reduced = factors.reduced_axes(b.rule, b.operands, mesh)
+    reduced = factors.reduced_axes(b.rule, b.operands, mesh, b.results)
   return reduced | linearity.carried(b.rule.linear, _operand_partials(b, pending))
 
 
@@ -396,7 +396,7 @@ def settle(graph: Graph, max_trials: int = MAX_TRIALS) -> tuple[dict, dict]:
   mesh = graph.mesh_sizes
   index = Index(graph)
   resolved = {graph.tensor((), v) for v in graph.top.outvars} - {None}
-  reduced = [factors.reduced_axes(b.rule, b.operands, mesh) for b in graph.bounds]
+  reduced = [factors.reduced_axes(b.rule, b.operands, mesh, b.results) for b in graph.bounds]
   best = _landed(_settle(graph, resolved, reduced, index))
   last = best.pending      # the values pending after the latest trial, kept or not
   order = {t: k for k, t in enumerate(graph.tensors.values())}   # deterministic

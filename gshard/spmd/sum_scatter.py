@@ -62,7 +62,7 @@ def sum_before_scatter(graph: Graph) -> dict[Tensor, object]:
       return None
     name = prim(b)
     if name in _LEAVES:
-      return [t] if axes & factors.reduced_axes(b.rule, b.operands, mesh) else None
+      return [t] if axes & factors.reduced_axes(b.rule, b.operands, mesh, b.results) else None
     if name in _SUM_NODES | _CHAIN_NODES:
       if name in _CHAIN_NODES and (len(b.operands) != 1 or b.rule.linear != "unary"):
         return None   # (a narrowing float conversion is not linear: rules.elementwise)
@@ -96,7 +96,8 @@ def sum_before_scatter(graph: Graph) -> dict[Tensor, object]:
       continue
     leaves = [t for t in nodes if prim(producer[t]) in _LEAVES]
     axes = frozenset.intersection(*[
-        factors.reduced_axes(producer[t].rule, producer[t].operands, mesh) for t in leaves]) \
+        factors.reduced_axes(producer[t].rule, producer[t].operands, mesh,
+                             producer[t].results) for t in leaves]) \
         & frozenset(layout.axes)
     if len(leaves) < 2 or not axes:
       continue

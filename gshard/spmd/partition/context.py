@@ -16,7 +16,7 @@ from jax.extend.core import get_opaque_trace_state
 
 from gshard.spmd import collectives, reshard
 from gshard.spmd.graph import Graph
-from gshard.spmd.sharding import TensorSharding, fit_axes
+from gshard.spmd.sharding import TensorSharding, fit_axes, is_refinement
 from gshard.spmd.source import source_of
 
 
@@ -155,10 +155,13 @@ class Context:
     self.enclosing: list = []   # call equations whose inner jaxpr is running
     # (id of a local array, src, dst) -> [(trace, the array, its resharded Value)]
     self._memo: dict[tuple, list] = {}
+    # id of a local array -> [(trace, the array, a complete Value resharded from it)]
+    self._layouts: dict[int, list] = {}
 
   def forget(self) -> None:
     """Drop the reshards remembered while tracing (call before and after a trace)."""
     self._memo.clear()
+    self._layouts.clear()
 
   def run_jaxpr(self, jaxpr, scope: tuple, consts, args: list[Value]) -> list[Value]:
     """Interpret ``jaxpr`` (in ``scope``) on per-device values; its outputs' values."""
@@ -213,11 +216,32 @@ class Context:
     if v.literal or v.sharding == dst:
       return dataclasses.replace(v, sharding=dst) if v.literal else v
     # One reshard per (value, layout) in a trace: every later consumer of the
-    # same layout reuses it (and no collective is recorded twice).
+    # same layout reuses it (and no collective is recorded twice); a layout
+    # that slices one the value was already gathered to is cut from that one.
     return self.once(("reshard", v.sharding, dst), v.x,
-                     lambda: self._reshard(v, dst, eqn, role))
+                     lambda: self._reshard(self._gathered(v, dst), dst, eqn, role, v.x))
 
-  def _reshard(self, v: Value, dst: TensorSharding, eqn, role: str) -> Value:
+  def _gathered(self, v: Value, dst: TensorSharding) -> Value:
+    """An earlier reshard of ``v`` in this trace that ``dst`` only slices (a
+    forward pass's gathered activation, read again in the backward pass
+    split less than it arrived); else ``v``. The gathered copy is reused,
+    as a reshard to its own layout is."""
+    seen = self._layouts.get(id(v.x))
+    if not seen or dst.partial or v.sharding.partial or self._local(v.sharding, dst, v):
+      return v                   # (slicing the value itself holds no copy)
+    trace = get_opaque_trace_state()
+    for seen_trace, seen_x, out in seen:
+      if (seen_x is v.x and seen_trace == trace and is_refinement(out.sharding, dst)
+          and self._local(out.sharding, dst, v)):
+        return out
+    return v
+
+  def _local(self, src: TensorSharding, dst: TensorSharding, v: Value) -> bool:
+    """Whether ``v`` goes from ``src`` to ``dst`` without communicating."""
+    plan = reshard.plan_reshard(src, dst, v.shape, v.dtype, self.mesh_sizes)
+    return all(step.kind in ("slice", "pad", "local") for step in plan.steps)
+
+  def _reshard(self, v: Value, dst: TensorSharding, eqn, role: str, origin=None) -> Value:
     plan = reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
     src_name = self.source(eqn)
     prim = eqn.primitive.name if eqn is not None else "output"
@@ -230,7 +254,10 @@ class Context:
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
           else str(v.dtype), src_name, bool(plan.fallback), self.repeat))
     x = collectives.apply_plan(v.x, plan, v.shape, self.mesh_sizes, self.chunks_first)
-    return Value(x, dst, v.shape, v.dtype)
+    out = Value(x, dst, v.shape, v.dtype)
+    if origin is not None and not dst.partial and not v.sharding.partial:
+      self._layouts.setdefault(id(origin), []).append((get_opaque_trace_state(), origin, out))
+    return out
 
   def once(self, key: tuple, x, make: Callable[[], Any]) -> Any:
     """``make()``, computed once per (``key``, local array ``x``, trace) and

@@ -152,7 +152,7 @@ def _plan_memo(*key) -> LocalPlan:
 def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_reduction,
           contraction, relocate, mesh_items) -> LocalPlan:
   mesh = dict(mesh_items)
-  candidates = [factors.solve(rule, operands, results, mesh)]
+  candidates = [factors.solve(rule, operands, results, mesh, settled=True)]
   if any(r is not None for r in results):
     candidates.append(factors.solve(rule, operands, [None] * len(results), mesh))
     if contraction:   # also in the result's layout, operands moved first
