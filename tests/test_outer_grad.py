@@ -209,3 +209,34 @@ def test_remat_scan_and_closures_around_a_partitioned_call():
   np.testing.assert_allclose(np.asarray(jax.hessian(top)(x)),
                              np.asarray(jax.hessian(lambda w: jnp.max(jnp.sin(w) * w))(x)),
                              rtol=1e-5, atol=1e-6)
+
+
+def _types(xs):
+  return [(a.shape, a.dtype, a.weak_type) for a in map(jax.typeof, jax.tree.leaves(xs))]
+
+
+@pytest.mark.parametrize("outer_jit", [False, True])
+@pytest.mark.parametrize("with_vjp", [False, True])
+def test_the_gradient_of_a_weakly_typed_scalar_stays_weak(outer_jit, with_vjp):
+  # jax.grad of jax.jit gives a Python float's gradient weakly typed; the
+  # transpose of gshard's jvp program gave it strong (a loop feeding it back
+  # then had another input signature); forward mode too
+  act = _ste if with_vjp else jnp.sin
+
+  def loss(s, x):
+    return jnp.sum(act(s * x))
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 4))
+  part = gshard.partition(loss, mesh((2, 4), ("a", "b")), in_specs=(P(), P("a")))
+  grad, ref = jax.grad(part, argnums=(0, 1)), jax.grad(jax.jit(loss), argnums=(0, 1))
+  if outer_jit:
+    grad, ref = jax.jit(grad), jax.jit(ref)
+  got, want = grad(2.0, x), ref(2.0, x)
+  assert _types(got) == _types(want)
+  assert jax.typeof(got[0]).weak_type
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
+  if not with_vjp:
+    got = jax.jvp(part, (2.0, x), (1.0, jnp.ones_like(x)))
+    want = jax.jvp(jax.jit(loss), (2.0, x), (1.0, jnp.ones_like(x)))
+    assert _types(got) == _types(want)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core.primitives import convert_element_type_p
 
 from gshard.annotate import mesh_context
 from gshard.spmd import infer
@@ -34,6 +35,20 @@ from gshard.spmd.sharding import mesh_scope
 def _differentiable(x) -> bool:
   """Whether jax gives ``x`` a tangent of its own dtype (float, complex)."""
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _weak(x) -> bool:
+  return not is_padded(x) and bool(getattr(jax.typeof(x), "weak_type", False))
+
+
+def _weak_as(weak: bool, t):
+  """``t`` weakly typed or not: a weak primal's tangent enters the program
+  strong, so its cotangent leaves weak (the transpose of this conversion
+  restores the weak type), as ``jax.grad`` of ``jax.jit`` gives it."""
+  if is_padded(t) or _weak(t) == weak:
+    return t
+  return convert_element_type_p.bind(t, new_dtype=jnp.result_type(t), weak_type=weak,
+                                     sharding=None)
 
 
 def _zero_tangent(x):
@@ -62,7 +77,7 @@ def traced_call(part, args: tuple, call: Callable):
   def f_jvp(primals, tangents):
     p_leaves = jax.tree_util.tree_flatten(tuple(primals), is_leaf=is_padded)[0]
     t_leaves = treedef.flatten_up_to(tuple(tangents))
-    t_in = [t if _differentiable(p.data if is_padded(p) else p) else p
+    t_in = [_weak_as(False, t) if _differentiable(p.data if is_padded(p) else p) else p
             for p, t in zip(p_leaves, t_leaves)]
     jvp = _jvp_partitioned(part, prog, treedef, args)
     # its program run as it is: wrapped in a custom_jvp of its own (a traced
@@ -169,7 +184,7 @@ def _reverse_only(part, prog, treedef, args, call: Callable):
                         + tuple(outs[j] for j in grads), ins, {i: i for i in range(n_in)})
     got = as_given(flat, list(bwd_part(*flat, *res, *(cts[j] for j in grads))),
                    bwd_part.pairs_override)
-    got = [g if _differentiable(p.data if is_padded(p) else p) else None
+    got = [_weak_as(_weak(p), g) if _differentiable(p.data if is_padded(p) else p) else None
            for p, g in zip(flat, got)]
     return tuple(jax.tree_util.tree_unflatten(treedef, got))
 
