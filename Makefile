@@ -48,6 +48,7 @@ bench: venv
 	$(PY) benchmarks/windowed.py
 	$(PY) benchmarks/dispatch.py
 	$(PY) benchmarks/auto.py
+	$(PY) benchmarks/layouts.py
 
 FUZZ_EXAMPLES ?= 2000
 FUZZ_SEED     ?=
