@@ -447,7 +447,9 @@ PROPAGATED = [
      [S((8, 16), f32)] * 2, "add", "f32[8@data,16@model]"),
     ("mul by scalar", lambda x, s: x * s, (P("data", "model"), P()),
      [S((8, 16), f32), S((), f32)], "mul", "f32[8@data,16@model]"),
-    ("size-1 dim is never split", lambda x, y: lax.mul(x, y), (P("data", None), P(None, "model")),
+    # (a [None]: the product is no state of y, which would lay it out as y)
+    ("size-1 dim is never split", lambda x, y: lax.mul(x, y)[None],
+     (P("data", None), P(None, "model")),
      [S((8, 1), f32), S((8, 16), f32)], "mul", "f32[8@data,16@model]"),
     ("exp", jnp.exp, (P(("data", "model")),), [S((8, 16), f32)], "exp",
      "f32[8@data*model,16]"),

@@ -454,6 +454,19 @@ def _assignment_bytes(choice, pairs, rule: FactorRule, mesh, results=()) -> floa
   return total
 
 
+def making_bytes(rule: FactorRule, operands: Sequence[Held | None],
+                 results: Sequence[Held | None], t: Held, layout: TensorSharding,
+                 mesh) -> float:
+  """Bytes per device the op of ``rule`` sends (operands moved, its sum
+  resolved, by the settled solve) to make its result ``t`` in ``layout``."""
+  made = _View(layout, frozenset(range(len(t.shape))), tuple(t.shape), t.dtype)
+  results = [made if r is t else view(r) for r in results]
+  operands = [view(o) for o in operands]
+  choice = solve(rule, operands, results, mesh, settled=True)
+  _, pairs = holders(rule, operands, results, mesh)
+  return _assignment_bytes(choice, pairs, rule, mesh, results)
+
+
 def reduced_axes(rule: FactorRule, operands: Sequence[Held | None], mesh,
                  results: Sequence[Held | None] = ()) -> frozenset[str]:
   """Axes of the split ``sum`` factors, as the operands hold them (layouts

@@ -31,6 +31,7 @@ from gshard.spmd.partials import settle
 from gshard.spmd.sum_scatter import sum_before_scatter
 from gshard.spmd.stacked import stack_as_read
 from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, short_dtype
+from gshard.spmd.updates import lay_out_updates
 
 MAX_SWEEPS = 200
 
@@ -268,4 +269,5 @@ def propagate(graph: Graph) -> int:
   for t, sharding in sum_before_scatter(graph).items():
     t.sharding = sharding
   stack_as_read(graph)
+  lay_out_updates(graph, touching)
   return sweeps
