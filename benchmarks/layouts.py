@@ -154,12 +154,11 @@ def write_doc(rows: list[dict], seed: int, load: tuple[float, float]) -> None:
   lines += [
       "",
       "Reading (from the reports of the largest cases): where gshard sends more, "
-      "most of the difference is at the SGD update. A weight gradient leaves its "
-      "dot in the layout its operands lead to, which is not its weight's (a tuple "
-      "in the other order, or another dim), and is moved to the weight's layout "
-      "for the update (`sub operand 1` in `explain()`); GSPMD computes it in the "
-      "weight's layout. Propagation settles each value from the constraints that "
-      "reach it first, the dot's operands before the update.",
+      "most of the difference is in making the weight gradients. Its dot makes a "
+      "gradient in a layout other than its weight's and moves it after (`dot_general "
+      "result 0` in `explain()`), where GSPMD's choice for that dot sends less (it "
+      "all-reduces the gradient in the weight's layout, or reads an operand already "
+      "gathered for the forward pass). gshard prices each contraction by itself.",
       "",
   ]
   with open(DOC, "w") as fh:
