@@ -80,6 +80,13 @@ def _passes(rule, k: int) -> bool:
           and sorted(f for d in op for f in d) == sorted(f for d in res for f in d))
 
 
+def _passes_through(b) -> bool:
+  """Whether ``b``'s op only passes its operands' layout on (a scalar or a
+  literal beside them): it makes no value of a chain, the chain runs through it."""
+  return b.scope == () and all(o is None or not b.rule.operands[n] or _passes(b.rule, n)
+                               for n, o in enumerate(b.operands))
+
+
 def _chain(graph: Graph, touching, out: Tensor, want: TensorSharding) -> dict:
   """id -> (tensor, layout) of ``out`` and the values it is made of through ops
   that pass a layout through, each in the layout that gives ``out`` ``want``."""
@@ -111,9 +118,7 @@ def _cheaper(graph: Graph, touching, chain: dict) -> bool:
   for t, want in chain.values():
     for k in touching.get(id(t), ()):
       b = graph.bounds[k]
-      if not any(r is t for r in b.results) or (b.scope == () and all(
-          o is None or not b.rule.operands[n] or _passes(b.rule, n)
-          for n, o in enumerate(b.operands))):
+      if not any(r is t for r in b.results) or _passes_through(b):
         continue
       cur = t.sharding.without_partial()
       move = 0.0 if cur == want else reshard.plan_reshard(
