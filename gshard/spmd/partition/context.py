@@ -221,6 +221,16 @@ class Context:
     return self.once(("reshard", v.sharding, dst), v.x,
                      lambda: self._reshard(self._gathered(v, dst), dst, eqn, role, v.x))
 
+  def held_layouts(self, v: Value) -> frozenset:
+    """The layouts ``v``'s local array was already resharded to in this trace
+    (complete values): a reshard to one of them is the earlier copy."""
+    seen = self._layouts.get(id(v.x))
+    if not seen or v.literal or v.sharding.partial:
+      return frozenset()
+    trace = get_opaque_trace_state()
+    return frozenset(out.sharding for seen_trace, seen_x, out in seen
+                     if seen_x is v.x and seen_trace == trace)
+
   def _gathered(self, v: Value, dst: TensorSharding) -> Value:
     """An earlier reshard of ``v`` in this trace that ``dst`` only slices (a
     forward pass's gathered activation, read again in the backward pass

@@ -91,6 +91,9 @@ class _In:
   shape: tuple[int, ...]
   dtype: object
   mark: object = None                 # a literal's linearity.ZERO, if the rule reads it
+  # layouts its local array was already resharded to in this trace (a
+  # forward pass's gathered activation): a plan reading one sends nothing
+  have: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +131,8 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   marks = rule.linear in linearity.READS_LITERALS
   in_ = tuple(_In(None if v.literal else v.sharding, tuple(v.shape), v.dtype,
                   (linearity.literal_mark(v.x) if v.literal else g.mark_of(scope, var))
-                  if marks else None) for v, var in zip(ins, eqn.invars))
+                  if marks else None, ctx.held_layouts(v))
+              for v, var in zip(ins, eqn.invars))
   lookup = eqn.primitive.name in LOOKUPS
   relocate = lookup or eqn.primitive.name in PIECES
   out = tuple(_Out(None if type(var).__name__ == "DropVar" else ctx.target(scope, var),
@@ -240,9 +244,11 @@ def _footprint(mesh, ins, outs, plan: LocalPlan) -> int:
 
 
 def _operand_growth(mesh, ins, plan: LocalPlan) -> int:
-  """Bytes per device the plan's operand reshards add to what arrives."""
+  """Bytes per device the plan's operand reshards add to what arrives (none
+  for a layout the operand already has a copy in)."""
   return sum(max(0, _held(v, s, mesh) - _held(v, v.sharding, mesh))
-             for v, s in zip(ins, plan.operands) if s is not None and v.sharding != s)
+             for v, s in zip(ins, plan.operands)
+             if s is not None and v.sharding != s and s not in v.have)
 
 
 def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
@@ -296,7 +302,9 @@ def _option(mesh, ins, outs, plan: LocalPlan, cost: int, chosen: bool, grow: int
       steps = reshard.plan_reshard(src, dst, t.shape, t.dtype, mesh).collectives
     except ValueError:
       continue
-    if steps:
+    if steps and dst in getattr(t, "have", ()):
+      moves.append((role, "its copy resharded earlier (sends nothing)"))
+    elif steps:
       moves.append((role, " + ".join(f"{x.kind}[{','.join(x.axes)}]" for x in steps)))
   moves += kept
   if any(plan.choice.get(f) for f in plan.rule.reduction):
@@ -336,7 +344,8 @@ def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
   for v, s in zip(ins, plan.operands):
     if s is not None and v.sharding != s:   # seeding (partial v lacks) sends nothing
       s = s.with_partial(s.partial & v.sharding.partial)
-      total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype, mesh).bytes_per_device
+      if s not in v.have:                   # (an earlier copy is reused)
+        total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype, mesh).bytes_per_device
   for o, s in zip(outs, plan.results):
     if o.target is None:
       continue
