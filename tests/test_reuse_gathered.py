@@ -102,3 +102,18 @@ def test_a_weight_gradient_reads_the_forward_passes_gathered_activation():
   assert "its copy resharded earlier (sends nothing)" in report, report
   assert lowered.total_bytes() <= 24 * 1024, report
   _close(part(p, xs), jax.jit(_relu_step)(p, xs))
+
+
+def test_a_copy_reused_is_weighed_against_the_memory_the_other_plans_hold():
+  # x [32, 64@(b,a)] is gathered whole for x @ w1 (w1 [64, 128@a]). dW1 =
+  # x^T @ dh, wanted as w1: reading that copy and gathering dh over b (6 KiB)
+  # holds 6 KiB more per device, less than the plans propagation offered (7
+  # KiB more, and 19 KiB sent). It was passed over for holding more than the
+  # operands as they arrive; the step sent 39 KiB (GSPMD: 33 KiB).
+  p, xs = _args()
+  specs = ({"w1": P(None, "a"), "w2": P(("a", "b"), None), "w3": P()}, P(None, ("b", "a")))
+  part = gshard.partition(_relu_step, mesh((2, 4), ("a", "b")), in_specs=specs,
+                          out_specs=specs[0])
+  lowered = part.lower(p, xs)
+  assert lowered.total_bytes() <= 27 * 1024, lowered.explain()
+  _close(part(p, xs), jax.jit(_relu_step)(p, xs))

@@ -114,6 +114,7 @@ class Holder:
   proj: Axes
   fixed: bool
   order: int
+  operand: bool = False
 
 
 def holders(rule: FactorRule, operands: Sequence[Held | None],
@@ -123,11 +124,12 @@ def holders(rule: FactorRule, operands: Sequence[Held | None],
   out: dict[str, list[Holder]] = {f: [] for f in rule.factors}
   pairs = [(t, d) for t, d in zip(list(operands) + list(results),
                                    rule.operands + rule.results) if t is not None]
+  n_ops = sum(t is not None for t in operands)
   for order, (t, dims) in enumerate(pairs):
     proj = project(dims, t.sharding.dims, size_of, mesh)
     for i, factors in enumerate(dims):
       for f in factors:
-        out[f].append(Holder(t, proj.get(f, ()), i in t.fixed, order))
+        out[f].append(Holder(t, proj.get(f, ()), i in t.fixed, order, order < n_ops))
   return out, pairs
 
 
@@ -145,10 +147,17 @@ def _reshard_bytes(h: Holder, axes: Axes, mesh) -> int:
   return local_nbytes(h.tensor, mesh) * max(1, removed)
 
 
-def candidate_key(axes: Axes, hs: list[Holder], size: int, mesh) -> tuple:
-  """The order candidates are ranked in (smallest first): valid, pinned support,
-  resharding bytes, more specific, earlier tensor."""
-  fixed_exact = sum(1 for h in hs if h.fixed and h.proj == axes)
+def _pins(h: Holder, rule: FactorRule) -> bool:
+  """Whether ``h`` pins its factor: a pinned tensor, but in a contraction not
+  an operand pinned unsplit on it (the op reads a slice of it, which sends
+  nothing: ``h[:, F@b] @ w2``, ``w2`` replicated, may contract ``F`` split)."""
+  return h.fixed and (bool(h.proj) or not h.operand or not rule.reduction)
+
+
+def candidate_key(axes: Axes, hs: list[Holder], size: int, mesh, rule: FactorRule) -> tuple:
+  """The order candidates are ranked in (smallest first): valid, pinned support
+  (:func:`_pins`), resharding bytes, more specific, earlier tensor."""
+  fixed_exact = sum(1 for h in hs if _pins(h, rule) and h.proj == axes)
   valid = fixed_exact > 0 or math.prod(mesh[a] for a in axes) <= size
   cost = sum(_reshard_bytes(h, axes, mesh) for h in hs)
   first = min((h.order for h in hs if h.proj == axes), default=len(hs))
@@ -163,7 +172,7 @@ def choose(f: str, hs: list[Holder], rule: FactorRule, mesh) -> Axes | None:
   cands = {h.proj for h in hs if h.proj or h.fixed}
   if not cands:
     return None
-  return min(sorted(cands), key=lambda a: candidate_key(a, hs, rule.size_of[f], mesh))
+  return min(sorted(cands), key=lambda a: candidate_key(a, hs, rule.size_of[f], mesh, rule))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +281,7 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
       continue
     choice[f] = c
     hs = hold[f]
-    strength[f] = (-sum(1 for h in hs if h.fixed and h.proj == c),
+    strength[f] = (-sum(1 for h in hs if _pins(h, rule) and h.proj == c),
                    -sum(local_nbytes(h.tensor, mesh) for h in hs if h.proj == c and c),
                    rule.factors.index(f))
   owner: dict[str, str] = {}          # mesh axis -> the factor holding it
@@ -338,10 +347,29 @@ def _summed_axes(f: str, choice: dict, hs: list[Holder], pairs, rule: FactorRule
   """
   axes = choice[f]
   kept = tuple(a for a in axes if all(a in h.proj for h in hs))
-  if kept == axes or (_assignment_bytes({**choice, f: axes}, pairs, rule, mesh, results)
-                      < _assignment_bytes({**choice, f: kept}, pairs, rule, mesh, results)):
+  if kept == axes or (_settled_bytes({**choice, f: axes}, pairs, rule, mesh, results)
+                      < _settled_bytes({**choice, f: kept}, pairs, rule, mesh, results)):
     return axes
   return kept
+
+
+def _settled_bytes(choice, pairs, rule: FactorRule, mesh, results) -> float:
+  """:func:`_assignment_bytes` where the results' layouts are settled: a result
+  not keeping the op's sum pending is made in ``choice``'s layout and moved to
+  its own, the sum resolved on the way, by the exact plan (an all-reduce into
+  a result not split over the summed axes), not at the sum's least."""
+  red = frozenset(a for f in rule.reduction for a in choice.get(f, ()))
+  now = {id(t): d for t, d in zip(results, rule.results) if t is not None
+         and t.sharding.partial <= red and not (red and red <= t.sharding.partial)}
+  total = _assignment_bytes(choice, [(t, d) for t, d in pairs if id(t) not in now], rule,
+                            mesh, [None if id(t) in now else t for t in results])
+  for t in (t for t in results if t is not None and id(t) in now):
+    made = TensorSharding(tuple(unproject(now[id(t)], choice, rule.size_of, mesh)), red)
+    try:
+      total += reshard.plan_reshard(made, t.sharding, t.shape, t.dtype, mesh).bytes_per_device
+    except (ValueError, TypeError):
+      total += nbytes(t)
+  return total
 
 
 def _unpinned_if_cheaper(done: dict, choice: dict, hold, pairs, rule: FactorRule, mesh,
