@@ -153,12 +153,15 @@ def write_doc(rows: list[dict], seed: int, load: tuple[float, float]) -> None:
                  f"{r['gshard']:.0f} | {r['gspmd']:.0f} | {r['gshard'] / r['gspmd']:.2f}x |")
   lines += [
       "",
-      "Reading (from the reports of the largest cases): where gshard sends more, "
-      "most of the difference is in making the weight gradients. Its dot makes a "
-      "gradient in a layout other than its weight's and moves it after (`dot_general "
-      "result 0` in `explain()`), where GSPMD's choice for that dot sends less (it "
-      "all-reduces the gradient in the weight's layout, or reads an operand already "
-      "gathered for the forward pass). gshard prices each contraction by itself.",
+      "Reading (from the reports of the cases where gshard sends more): in the "
+      "largest, the first dot's two pinned operands want one mesh axis, `x [32, 64@a]` "
+      "on the contracted dim and `w1 [64, 128@(b,a)]` on its output dim. Propagation "
+      "prices the partial sum at its least (a reduce-scatter), the two choices tie, and "
+      "gshard keeps `a` on the contracted dim (an all-to-all of `w1`, then a psum), "
+      "where GSPMD gathers `x` and computes `h` in `w1`'s layout. In the others (a few "
+      "percent), the relu mask moves to the layout of the gradient's `select_n` (512 B "
+      "to 1 KiB) where GSPMD moves the gradient after its dot: gshard lays out the "
+      "select by what that op alone moves.",
       "",
   ]
   with open(DOC, "w") as fh:
