@@ -1,13 +1,15 @@
-"""An operand pinned unsplit on a factor does not pin the factor.
+"""An operand pinned unsplit on a contracted factor does not pin the factor.
 
-A replicated weight read by an activation split on its contracted dim
-(``h [32, 128@b] @ w2 [128, 64]``) reads a slice of the weight, which sends
-nothing: the factor is chosen by bytes (a partial sum, or ``h`` gathered),
-not kept unsplit because the weight's in_specs say so. A pinned result stays
-a pin. After propagation, a sum the result does not keep pending is priced
-by its exact plan (an all-reduce into a result not split over the summed
-axes), not at its least, when the partitioner weighs contracting it split
-against gathering the operand that lacks the split.
+A weight replicated on the dim an activation split on it contracts with
+(``h [32, 128@b] @ w2 [128, 64@a]``) reads a slice of the weight, which
+sends nothing: the factor is chosen by bytes (a partial sum, or ``h``
+gathered), not kept unsplit because the weight's in_specs say so; unless
+the weight holds a proposed axis on another dim (it would move). Results
+and free factors keep their pins. After propagation, a sum the result does
+not keep pending is priced by its exact plan (an all-reduce into a result
+not split over the summed axes), not at its least, when the partitioner
+weighs contracting it split against gathering the operand that lacks the
+split.
 
 The property: over random layouts of MLP train steps (replicated weights
 drawn often; an activation annotated replicated), the values of

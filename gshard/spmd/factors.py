@@ -114,7 +114,6 @@ class Holder:
   proj: Axes
   fixed: bool
   order: int
-  operand: bool = False
 
 
 def holders(rule: FactorRule, operands: Sequence[Held | None],
@@ -124,12 +123,11 @@ def holders(rule: FactorRule, operands: Sequence[Held | None],
   out: dict[str, list[Holder]] = {f: [] for f in rule.factors}
   pairs = [(t, d) for t, d in zip(list(operands) + list(results),
                                    rule.operands + rule.results) if t is not None]
-  n_ops = sum(t is not None for t in operands)
   for order, (t, dims) in enumerate(pairs):
     proj = project(dims, t.sharding.dims, size_of, mesh)
     for i, factors in enumerate(dims):
       for f in factors:
-        out[f].append(Holder(t, proj.get(f, ()), i in t.fixed, order, order < n_ops))
+        out[f].append(Holder(t, proj.get(f, ()), i in t.fixed, order))
   return out, pairs
 
 
@@ -147,17 +145,19 @@ def _reshard_bytes(h: Holder, axes: Axes, mesh) -> int:
   return local_nbytes(h.tensor, mesh) * max(1, removed)
 
 
-def _pins(h: Holder, rule: FactorRule) -> bool:
-  """Whether ``h`` pins its factor: a pinned tensor, but in a contraction not
-  an operand pinned unsplit on it (the op reads a slice of it, which sends
-  nothing: ``h[:, F@b] @ w2``, ``w2`` replicated, may contract ``F`` split)."""
-  return h.fixed and (bool(h.proj) or not h.operand or not rule.reduction)
+def _pins(h: Holder, hs: list[Holder], summed: bool) -> bool:
+  """Whether ``h`` pins its factor (of holders ``hs``): a pinned tensor, but not
+  one pinned unsplit on a ``summed`` (contracted) factor that holds none of
+  the axes the others propose: the op reads a slice of that operand, which
+  sends nothing (``h[:, F@b] @ w2``, ``w2`` replicated on F: F may stay split)."""
+  return h.fixed and (bool(h.proj) or not summed or any(
+      {a for d in h.tensor.sharding.dims for a in d}.intersection(o.proj) for o in hs))
 
 
-def candidate_key(axes: Axes, hs: list[Holder], size: int, mesh, rule: FactorRule) -> tuple:
+def candidate_key(axes: Axes, hs: list[Holder], size: int, mesh, summed=False) -> tuple:
   """The order candidates are ranked in (smallest first): valid, pinned support
   (:func:`_pins`), resharding bytes, more specific, earlier tensor."""
-  fixed_exact = sum(1 for h in hs if _pins(h, rule) and h.proj == axes)
+  fixed_exact = sum(1 for h in hs if _pins(h, hs, summed) and h.proj == axes)
   valid = fixed_exact > 0 or math.prod(mesh[a] for a in axes) <= size
   cost = sum(_reshard_bytes(h, axes, mesh) for h in hs)
   first = min((h.order for h in hs if h.proj == axes), default=len(hs))
@@ -172,7 +172,8 @@ def choose(f: str, hs: list[Holder], rule: FactorRule, mesh) -> Axes | None:
   cands = {h.proj for h in hs if h.proj or h.fixed}
   if not cands:
     return None
-  return min(sorted(cands), key=lambda a: candidate_key(a, hs, rule.size_of[f], mesh, rule))
+  return min(sorted(cands), key=lambda a: candidate_key(a, hs, rule.size_of[f], mesh,
+                                                          f in rule.reduction))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +282,7 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
       continue
     choice[f] = c
     hs = hold[f]
-    strength[f] = (-sum(1 for h in hs if _pins(h, rule) and h.proj == c),
+    strength[f] = (-sum(1 for h in hs if _pins(h, hs, f in rule.reduction) and h.proj == c),
                    -sum(local_nbytes(h.tensor, mesh) for h in hs if h.proj == c and c),
                    rule.factors.index(f))
   owner: dict[str, str] = {}          # mesh axis -> the factor holding it

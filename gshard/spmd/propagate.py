@@ -121,7 +121,8 @@ def conflicts(graph: Graph) -> list[Conflict]:
       if f in b.rule.blocked:
         continue
       size = b.rule.size_of[f]
-      keys = sorted((factors.candidate_key(c, hs, size, mesh, b.rule), c) for c in cands)
+      keys = sorted((factors.candidate_key(c, hs, size, mesh, f in b.rule.reduction), c)
+                    for c in cands)
       (k0, best) = keys[0]
       if len(keys) > 1:
         k1 = keys[1][0]
