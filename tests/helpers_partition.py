@@ -15,7 +15,9 @@ import re
 
 import jax
 import numpy as np
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import gshard
 
@@ -24,6 +26,25 @@ import gshard
 def mesh(shape: tuple[int, ...], names: tuple[str, ...]):
   """``gshard.make_mesh`` on the first ``prod(shape)`` devices, built once."""
   return gshard.make_mesh(tuple(shape), tuple(names))
+
+
+@st.composite
+def specs_2d(draw, choices):
+  """A PartitionSpec of a 2-D array: each dim one of ``choices`` (None, an axis
+  or a tuple of axes), no mesh axis twice."""
+  while True:
+    d0, d1 = draw(st.sampled_from(choices)), draw(st.sampled_from(choices))
+    used = [a for d in (d0, d1) if d for a in ((d,) if isinstance(d, str) else d)]
+    if len(used) == len(set(used)):
+      return P(d0, d1)
+
+
+def assert_within_ulps(got, want, ulps: float) -> None:
+  """Every leaf of ``got`` (unpadded) within ``ulps`` float32 ulps of the
+  largest magnitude (at least 1) of the same leaf of ``want``."""
+  for g, w in zip(jax.tree.leaves(gshard.unpad(got)), jax.tree.leaves(want)):
+    g, w = np.asarray(g), np.asarray(w)
+    assert np.abs(g - w).max() <= ulps * np.finfo(np.float32).eps * max(1.0, np.abs(w).max())
 
 
 def assert_trees_close(got, want, rtol=1e-5, atol=1e-5, what=""):

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import gshard
-from helpers_partition import mesh
+import helpers_partition
+from helpers_partition import assert_within_ulps, mesh
 
 AXES = (None, None, "a", "b", ("a", "b"), ("b", "a"))    # unsplit drawn twice as often
 
@@ -60,22 +61,15 @@ def _args():
   return p, jnp.asarray(k.standard_normal((32, 64)), jnp.float32)
 
 
-@st.composite
-def specs_2d(draw):
-  while True:
-    d0, d1 = draw(st.sampled_from(AXES)), draw(st.sampled_from(AXES))
-    used = [a for d in (d0, d1) if d for a in ((d,) if isinstance(d, str) else d)]
-    if len(used) == len(set(used)):
-      return P(d0, d1)
+def specs_2d():
+  return helpers_partition.specs_2d(AXES)
 
 
 def _close(got, want):
   # one SGD step; each gradient entry a sum of at most 128 products (the
   # 32 x 64 x 128 dots), reordered across devices, through two dots: within
   # 2 x 128 ulps of the largest magnitude of each weight's update
-  for g, w in zip(jax.tree.leaves(gshard.unpad(got)), jax.tree.leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    assert np.abs(g - w).max() <= 2 * 128 * np.finfo(np.float32).eps * max(1.0, np.abs(w).max())
+  assert_within_ulps(got, want, 2 * 128)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import gshard
 from gshard.spmd.partition.context import Context
-from helpers_partition import mesh
+import helpers_partition
+from helpers_partition import assert_within_ulps, mesh
 
 AXES = (None, "a", "b", ("a", "b"), ("b", "a"))
 
@@ -54,22 +55,15 @@ def _args():
   return p, jnp.asarray(k.standard_normal((32, 64)), jnp.float32)
 
 
-@st.composite
-def specs_2d(draw):
-  while True:
-    d0, d1 = draw(st.sampled_from(AXES)), draw(st.sampled_from(AXES))
-    used = [a for d in (d0, d1) if d for a in ((d,) if isinstance(d, str) else d)]
-    if len(used) == len(set(used)):
-      return P(d0, d1)
+def specs_2d():
+  return helpers_partition.specs_2d(AXES)
 
 
 def _close(got, want):
   # the same step; each output a sum of at most 128 products (32 x 64 x 128 dots),
   # reordered across devices, through at most three dots: within 3 x 128 ulps of
   # the largest magnitude of each weight's update
-  for g, w in zip(jax.tree.leaves(gshard.unpad(got)), jax.tree.leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    assert np.abs(g - w).max() <= 3 * 128 * np.finfo(np.float32).eps * max(1.0, np.abs(w).max())
+  assert_within_ulps(got, want, 3 * 128)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

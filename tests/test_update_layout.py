@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import gshard
 from gshard.spmd import propagate
-from helpers_partition import mesh
+import helpers_partition
+from helpers_partition import assert_within_ulps, mesh
 
 CHOICES = (None, "a", "b", ("a", "b"), ("b", "a"))
 
@@ -58,21 +59,14 @@ def _args():
   return p, jnp.asarray(k.standard_normal((32, 64)), jnp.float32)
 
 
-@st.composite
-def specs_2d(draw):
-  while True:
-    d0, d1 = draw(st.sampled_from(CHOICES)), draw(st.sampled_from(CHOICES))
-    used = [a for d in (d0, d1) if d for a in ((d,) if isinstance(d, str) else d)]
-    if len(used) == len(set(used)):
-      return P(d0, d1)
+def specs_2d():
+  return helpers_partition.specs_2d(CHOICES)
 
 
 def _close(got, want):
   # the same SGD step; sums of at most 128 products reordered across devices:
   # within 128 ulps of the largest magnitude of each weight's update
-  for g, w in zip(jax.tree.leaves(gshard.unpad(got)), jax.tree.leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    assert np.abs(g - w).max() <= 128 * np.finfo(np.float32).eps * max(1.0, np.abs(w).max())
+  assert_within_ulps(got, want, 128)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
