@@ -25,7 +25,7 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from gshard.spmd import factors
+from gshard.spmd import factors, relayout
 from gshard.spmd.graph import Bound, Graph, Tensor, source_of
 from gshard.spmd.partials import settle
 from gshard.spmd.sum_scatter import sum_before_scatter
@@ -108,6 +108,8 @@ def conflicts(graph: Graph) -> list[Conflict]:
   out = []
   for b in graph.bounds:
     mesh = graph.mesh_sizes
+    if relayout.carried(b, mesh):      # rows move: the factors differ by design
+      continue
     holders, _ = factors.holders(b.rule, b.operands, b.results, mesh)
     solved = by_factor = None
     for f in b.rule.factors:
@@ -263,7 +265,8 @@ def propagate(graph: Graph) -> int:
       sweeps += 1
     start = unsettled
     if defer:
-      start |= apply_hints(graph, touching)
+      start |= (apply_hints(graph, touching) | relayout.propose(graph, touching)
+                | relayout.propose_scans(graph, touching))
   pending, graph.released = settle(graph)
   for t, axes in pending.items():
     t.sharding = t.sharding.with_partial(axes)

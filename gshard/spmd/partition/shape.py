@@ -7,6 +7,8 @@ device i gets block n-1-i) and run locally. When no dim can stay split, the
 generic rule gathers it (its sharding rule blocks it). ``concatenate`` and
 ``split`` along a split dim have no rule here: the generic plan moves the
 split to another dim first (``PIECES`` in ``partition/plan.py``) or gathers.
+``reshape`` of a split dim into micro-batches (``[B@data] -> [K, M@data]``,
+``spmd/relayout.py``) moves rows by ppermute rounds, then reshapes locally.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gshard.spmd import collectives, relayout
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.partition.generic import bind_local, generic_rule
 from gshard.spmd.partition.halo import (blocked_reason, check_shape, dilate, halo_plan,
                                         haloed, permute)
-from gshard.spmd.partition.plan import LocalPlan, plan_local
+from gshard.spmd.partition.plan import LocalPlan, factor_rule_of, plan_local
 from gshard.spmd.sharding import TensorSharding, itemsize
 
 
@@ -181,3 +184,69 @@ def rev_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
                v.dtype)
   y = lax.rev(x, eqn.params["dimensions"])
   return [Value(y, out_s, tuple(eqn.outvars[0].aval.shape), eqn.outvars[0].aval.dtype)]
+
+
+def reshape_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
+  """``reshape`` that carries a split across by moving rows
+  (:mod:`gshard.spmd.relayout`): ``[B@A] -> [K, M@A]`` runs ``K`` ppermute
+  rounds on the operand's block, then the local reshape; ``[K, M@A] -> [B@A]``
+  the local reshape, then the rounds the other way. Any other reshape (and
+  one whose layouts do not fit: uneven, other factors split, a key array) is
+  the generic rule's."""
+  v = ins[0]
+  move = None if v.literal or collectives.is_key(v.dtype) else relayout.find(
+      factor_rule_of(eqn), eqn, v.sharding.dims, ctx.mesh_sizes)
+  out_shape = tuple(eqn.outvars[0].aval.shape)
+  if move is None or ctx.target(scope, eqn.outvars[0]).dims[
+      relayout.target_dim(move)] != move.axes:
+    return generic_rule(ctx, eqn, ins, scope, idx)
+  plan = plan_local(ctx, eqn, ins, scope)
+  op_dims, out_dims = list(plan.operands[0].dims), list(plan.results[0].dims)
+  # the plan's dims for the move's factors: the compound dim and the
+  # micro-batch dims unsplit (gathered to be sliced), M as the target wants
+  compound, rows = (out_dims, op_dims) if move.merge else (op_dims, out_dims)
+  if (compound[move.compound] or any(rows[d] for d in move.before)
+      or rows[move.rows] not in ((), move.axes)):
+    return generic_rule(ctx, eqn, ins, scope, idx)
+  compound[move.compound] = rows[move.rows] = move.axes
+  try:
+    op_s = TensorSharding(tuple(op_dims), plan.operands[0].partial)
+    out_s = TensorSharding(tuple(out_dims), plan.results[0].partial)
+  except ValueError:        # the plan uses those axes elsewhere
+    return generic_rule(ctx, eqn, ins, scope, idx)
+  if not (op_s.is_even(v.shape, ctx.mesh_sizes) and out_s.is_even(out_shape, ctx.mesh_sizes)):
+    return generic_rule(ctx, eqn, ins, scope, idx)
+  v = ctx.reshard(v, op_s, eqn, "operand 0")
+  local = out_s.local_shape(out_shape, ctx.mesh_sizes)
+  if move.merge:     # recorded as the result's rows, of the operand's dtype
+    y = _move_rows(ctx, lax.reshape(v.x, local), move.compound, move, True, eqn, out_s,
+                   out_shape, v.dtype)
+  else:
+    y = lax.reshape(_move_rows(ctx, v.x, move.compound, move, False, eqn, op_s, v.shape,
+                               v.dtype), local)
+  return [Value(y, out_s, out_shape, eqn.outvars[0].aval.dtype)]
+
+
+def _move_rows(ctx: Context, x, dim: int, move: relayout.Move, back: bool, eqn,
+               layout: TensorSharding, shape, dtype):
+  """This device's block of ``dim`` (``K`` pieces of ``M/n`` rows) after the
+  ppermute rounds of ``move`` (``back``: the rounds reversed, a merge); the
+  rounds are recorded as moving rows of a value of ``shape`` laid out as
+  ``layout`` (the blocks keep their size, in another order)."""
+  n = ctx.num_shards(move.axes)
+  piece, dest, sender, lands = relayout.schedule(move.count, n)
+  if back:
+    piece, dest, lands = lands, sender, piece
+  me = ctx.linear_index(move.axes)
+  rows = np.shape(x)[dim] // move.count
+  out = jnp.zeros_like(x)
+  for r in range(move.count):
+    blk = collectives.local_slice(x, jnp.asarray(piece[r], jnp.int32)[me] * rows, rows, dim)
+    if (dest[r] != np.arange(n)).any():
+      blk = permute(ctx, blk, move.axes, lambda i, to=dest[r]: int(to[i]))
+      ctx.record("ppermute", move.axes, int(np.prod(np.shape(blk))) * itemsize(x.dtype),
+                 eqn, f"operand 0 rows moved to dim {relayout.target_dim(move)} (piece "
+                 f"{r + 1} of {move.count})", layout, layout, shape, dtype)
+    out = lax.dynamic_update_slice_in_dim(out, blk, jnp.asarray(lands[r], jnp.int32)[me]
+                                          * rows, dim)
+  return out

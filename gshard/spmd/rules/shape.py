@@ -253,7 +253,7 @@ def iota_rule(in_avals, out_avals, **params) -> FactorRule:
 
 
 register("broadcast_in_dim", broadcast_in_dim_rule)
-register("reshape", reshape_rule)
+register("reshape", reshape_rule, partition=partition.reshape_rule)
 register("transpose", transpose_rule)
 register("squeeze", squeeze_rule)
 register("slice", slice_rule, partition=partition.slice_rule)

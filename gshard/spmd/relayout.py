@@ -1,0 +1,214 @@
+"""A reshape that cuts a split dim into micro-batches keeps the split on the rows.
+
+``xs = x.reshape(K, B // K, ...)`` of ``x`` split over ``data`` (``n`` devices),
+the micro-batches of gradient accumulation: where ``K`` is no multiple of ``n``
+(fewer micro-batches than devices, the usual case on a pod), no factor of the
+reshape can hold ``data`` (device ``s``'s block of ``B`` rows is part of one
+micro-batch, not a block of ``K``). The factor solver drops the split, and the
+result would be gathered: every device would compute every micro-batch.
+
+Instead the result takes ``data`` on its minor-most factor ``M = B // K``
+(``xs: [K, M@data]``), and the partitioner moves the rows there
+(``partition/shape.py``): device ``s``'s block is ``K`` pieces of ``M/n`` rows,
+piece ``c`` going to device ``(s*K + c) % n``, where it is micro-batch
+``(s*K + c) // n``; ``K`` ppermute rounds, each a permutation of the devices,
+send the block's bytes once in all. The transposed reshape (``[K, M@data] ->
+[B]``, a backward pass) runs the rounds the other way and gives ``[B@data]``.
+
+Where ``K`` is a multiple of ``n`` the reshape is free (``xs: [K@data, M]``),
+and a scan over the micro-batches would gather ``xs``: a scan that
+accumulates (a sum carry) gives each step's slice the split on its rows
+instead, and moves it there with one all-to-all (:func:`propose_scans`).
+
+Both are hints propagation gives after its first phase, to tensors that came
+out unsplit there; the second phase carries them on. The reshape's only where
+its micro-batches are a scan's (:func:`propose`): a reshape of features
+(``[3D] -> [3, H, Dh]``) moved so would split ``Dh`` and sum the attention
+scores. Only a dim whose factors hold none of its axes moves, and only where
+``M`` splits evenly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from gshard.spmd import factors
+from gshard.spmd.rules.control import accumulators
+from gshard.spmd.sharding import Axes, TensorSharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+  """A split carried across a reshape by moving rows.
+
+  Attributes:
+    axes: the mesh axes of the split (``n`` shards).
+    count: ``K``, the micro-batches: the factors before ``M`` in the
+      compound dim.
+    merge: ``False``: the operand's dim is compound (``[B] -> [K, M]``);
+      ``True``: the result's is (``[K, M] -> [B]``).
+    compound: the dim (of the operand for a split, of the result for a
+      merge) that is ``K*M``.
+    rows: the dim of ``M`` (of the result for a split, of the operand for a
+      merge).
+    before: the dims (on ``rows``'s side) of the factors before ``M``.
+  """
+
+  axes: Axes
+  count: int
+  merge: bool
+  compound: int
+  rows: int
+  before: tuple[int, ...] = ()
+
+
+def find(rule, eqn, op_dims, mesh) -> Move | None:
+  """The move a reshape's rule allows for its operand's split (``op_dims``):
+  a split of the operand's compound dim that no factor can hold, to the
+  result's dim of the minor-most factor; or (``merge``) a split of the
+  operand's ``M`` dim to the result's compound dim. None when there is none."""
+  if (eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None
+      or len(rule.operands) != 1 or len(rule.results) != 1):
+    return None
+  size = rule.size_of
+  for merge in (False, True):
+    compound, rows = ((rule.results[0], rule.operands[0]) if merge
+                      else (rule.operands[0], rule.results[0]))
+    for i, fs in enumerate(compound):
+      j = [k for k, d in enumerate(rows) if fs[-1] in d]
+      if len(fs) < 2 or len(j) != 1 or rows[j[0]] != (fs[-1],):
+        continue
+      axes = tuple(op_dims[j[0]] if merge else op_dims[i])
+      if not axes:
+        continue
+      n = math.prod(mesh[a] for a in axes)
+      if factors.project([fs], [axes], size, mesh) or size[fs[-1]] % n:
+        continue
+      # the factors before M: dims of their own (the micro-batch dims)
+      before = tuple(k for k, d in enumerate(rows) if set(d) & set(fs[:-1]))
+      if not all(set(rows[k]) <= set(fs[:-1]) for k in before):
+        continue
+      count = math.prod(size[f] for f in fs[:-1])
+      if schedule(count, n) is not None:
+        return Move(axes, count, merge, i, j[0], before)
+  return None
+
+
+def target_dim(move: Move) -> int:
+  """The result's dim that takes the split."""
+  return move.compound if move.merge else move.rows
+
+
+def carried(bound, mesh) -> bool:
+  """Whether ``bound`` (a reshape) carries its operand's split to its result
+  by moving rows: the factors disagree there by design (no conflict)."""
+  if bound.eqn is None or len(bound.operands) != 1 or len(bound.results) != 1 or \
+      bound.operands[0] is None or bound.results[0] is None:
+    return False
+  move = find(bound.rule, bound.eqn, bound.operands[0].sharding.dims, mesh)
+  return move is not None and \
+      bound.results[0].sharding.dims[target_dim(move)] == move.axes
+
+
+def _scan_strips(graph, touching, t, outer_is_operand: bool) -> bool:
+  """Whether ``t`` is a scan's ``xs`` (``outer_is_operand``) or ``ys``: a
+  scan constraint strips its leading dim (the scanned one)."""
+  for k in touching.get(id(t), ()):
+    b = graph.bounds[k]
+    if b.eqn is None or b.eqn.primitive.name != "scan" or len(b.operands) != 1 \
+        or len(b.results) != 1:
+      continue
+    outer, inner = (b.operands[0], b.results[0]) if outer_is_operand else \
+        (b.results[0], b.operands[0])
+    if outer is t and inner is not None and len(inner.shape) == len(t.shape) - 1:
+      return True
+  return False
+
+
+def propose(graph, touching) -> set[int]:
+  """Give the operand's split to each reshape result that came out unsplit
+  where a move would split it (after propagation's first phase), where the
+  micro-batches are a scan's: the result is the ``xs`` of a scan over the
+  micro-batch dim (a split), or the operand its ``ys`` (a merge: the
+  transposed reshape of a backward pass). The constraints touching a changed
+  result. (Elsewhere the partitioner moves rows only where something pins
+  the result so.)"""
+  mesh = graph.mesh_sizes
+  out: set[int] = set()
+  for b in graph.bounds:
+    if b.eqn is None or len(b.operands) != 1 or len(b.results) != 1:
+      continue
+    (op,), (res,) = b.operands, b.results
+    if op is None or res is None:
+      continue
+    move = find(b.rule, b.eqn, op.sharding.dims, mesh)
+    if move is None or move.before != (0,) or move.rows != 1 or not (
+        _scan_strips(graph, touching, op, False) if move.merge
+        else _scan_strips(graph, touching, res, True)):
+      continue
+    d = target_dim(move)
+    if res.sharding.dims[d] or d in res.fixed or set(move.axes) & set(res.sharding.axes):
+      continue
+    dims = list(res.sharding.dims)
+    dims[d] = move.axes
+    res.sharding = TensorSharding(tuple(dims), res.sharding.partial)
+    out.update(touching.get(id(res), ()))
+  return out
+
+
+def propose_scans(graph, touching) -> set[int]:
+  """A scan that accumulates (a sum carry, as gradient accumulation does)
+  over ``xs`` split on the scanned dim (``K@data``: at least as many
+  micro-batches as devices): each step's slice takes the split on its
+  leading dim (the rows, after any split they have; where it divides them
+  evenly), so every device computes its
+  rows of every step and the sum stays pending round the loop, one psum
+  after it; the scan moves the split (one all-to-all) instead of gathering
+  ``xs``. The constraints touching a changed slice."""
+  mesh = graph.mesh_sizes
+  out: set[int] = set()
+  for b in graph.bounds:
+    e = b.eqn
+    if (e is None or e.primitive.name != "scan" or len(b.operands) != 1
+        or len(b.results) != 1 or b.operands[0] is None or b.results[0] is None):
+      continue
+    outer, inner = b.operands[0], b.results[0]
+    if (len(outer.shape) != len(inner.shape) + 1 or not b.rule.operands[0]
+        or b.rule.operands[0][0][0] not in b.rule.blocked):
+      continue                                  # not an xs entering the body
+    axes = outer.sharding.dims[0]
+    p = e.params
+    if not axes or set(axes) & set(inner.sharding.axes) or not accumulators(
+        p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]):
+      continue
+    rows = inner.sharding.dims[0] if inner.shape else ()
+    n = math.prod(mesh[a] for a in rows + tuple(axes))
+    if (not inner.shape or rows != outer.sharding.dims[1] or 0 in inner.fixed
+        or inner.shape[0] % n):
+      continue
+    inner.sharding = TensorSharding((rows + tuple(axes),) + inner.sharding.dims[1:],
+                                    inner.sharding.partial)
+    out.update(touching.get(id(inner), ()))
+  return out
+
+
+def schedule(count: int, n: int):
+  """The ppermute rounds of a split move, or None if they do not come out
+  as permutations: per round ``r`` (``count`` of them), for each source
+  device ``s`` (linear index over the axes) the piece it sends, the device it
+  goes to, and (indexed by the receiver) the micro-batch it lands at."""
+  g = math.gcd(count, n)
+  src = np.arange(n)
+  piece = np.stack([(r + src // (n // g)) % count for r in range(count)])
+  dest = (src * count + piece) % n
+  if any(sorted(row) != list(range(n)) for row in dest.tolist()):
+    return None
+  lands = np.empty_like(dest)
+  sender = np.empty_like(dest)
+  for r in range(count):
+    sender[r, dest[r]] = src
+    lands[r, dest[r]] = (src * count + piece[r]) // n
+  return piece, dest, sender, lands

@@ -1,0 +1,218 @@
+"""A reshape that cuts a split dim into micro-batches keeps the split.
+
+``x.reshape(K, B // K)`` of ``x`` split over ``n`` devices, with ``K`` no
+multiple of the first axis's size (fewer micro-batches than devices): no
+factor of the reshape holds the split, and before, the result was gathered
+and every device computed every micro-batch (gradient accumulation lost its
+data parallelism). Now the result is split on ``M = B // K`` and the rows
+move by ppermute rounds (``spmd/relayout.py``), the transposed reshape the
+other way. Reshapes move values without arithmetic, so the properties
+compare bit for bit; the accumulation step uses small integers (exact sums
+in any order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import gshard
+from gshard.spmd import relayout
+from helpers_partition import mesh
+
+MESHES = [((8,), ("x",)), ((2, 4), ("x", "y")), ((4, 2), ("x", "y"))]
+
+
+def test_rounds_put_every_row_where_the_reshape_puts_it():
+  """Simulated on row numbers, for n devices and K micro-batches: after the
+  rounds device t holds rows ``k*M + t*c ...`` of every micro-batch k (the
+  block of ``[K, M@n]``), and the rounds reversed give the blocks back."""
+  for n in range(2, 13):
+    for count in range(1, 30):
+      c = 2
+      rows = np.arange(count * n * c).reshape(n, count, c)    # device s: K pieces of c rows
+      piece, dest, sender, lands = relayout.schedule(count, n)
+      got = np.full_like(rows, -1)
+      for r in range(count):
+        for s in range(n):
+          got[dest[r, s], lands[r, dest[r, s]]] = rows[s, piece[r, s]]
+      want = np.arange(count * n * c).reshape(count, n, c).transpose(1, 0, 2)
+      np.testing.assert_array_equal(got, want, err_msg=f"n={n} K={count}")
+      back = np.full_like(rows, -1)
+      for r in range(count):
+        for t in range(n):
+          back[sender[r, t], piece[r, sender[r, t]]] = got[t, lands[r, t]]
+      np.testing.assert_array_equal(back, rows, err_msg=f"n={n} K={count} back")
+
+
+def _values(rng, shape, dtype):
+  if dtype == np.bool_:
+    return rng.random(shape) < 0.5
+  return rng.integers(-50, 50, shape).astype(dtype)
+
+
+def _expected_move(count: int, axes, sizes) -> bool:
+  """The split cannot stay on the micro-batch dim: the first axis does not
+  divide K (no factor holds it), so the rows move."""
+  return count % sizes[axes[0]] != 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_micro_batch_reshapes_equal_one_device(data):
+  """Random meshes, axes (one or two), micro-batch counts (below, at and
+  above the device count), trailing dims, dtypes, both directions (``[B] ->
+  [K, M]`` and back), the result pinned by ``out_specs`` or left to
+  propagation with the micro-batches a scan's ``xs`` (``ys`` for the
+  merge): bit for bit the values of ``jax.jit``; where the split cannot stay
+  on the micro-batch dim, ppermutes of at most the local block (nothing
+  gathered) and the result split on the rows."""
+  shape, names = data.draw(st.sampled_from(MESHES), label="mesh")
+  sizes = dict(zip(names, shape))
+  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
+  n = math.prod(sizes[a] for a in axes)
+  count = data.draw(st.integers(1, 2 * n + 1), label="K")
+  rows = n * data.draw(st.integers(1, 2), label="rows per device")
+  trail = data.draw(st.sampled_from([(), (3,), (2, 2)]), label="trailing dims")
+  dtype = data.draw(st.sampled_from([np.float32, np.int32, np.bool_, jnp.bfloat16]),
+                    label="dtype")
+  merge = data.draw(st.booleans(), label="merge")
+  pin = data.draw(st.booleans(), label="out_specs")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+  spec_axes = axes[0] if len(axes) == 1 else axes
+  if merge:
+    x = _values(rng, (count, rows) + trail, dtype)
+    in_spec, out_spec, new = P(None, spec_axes), P(spec_axes), (count * rows,) + trail
+  else:
+    x = _values(rng, (count * rows,) + trail, dtype)
+    in_spec, out_spec, new = P(spec_axes), P(None, spec_axes), (count, rows) + trail
+
+  def neg(r):
+    return ~r if r.dtype == np.bool_ else -r
+
+  def mapped(xs):                       # a scan over the micro-batch dim
+    return lax.scan(lambda c, r: (c, neg(r)), 0, xs)[1]
+
+  def f(x):
+    if merge:                           # the micro-batches a scan's ys
+      return neg(lax.reshape(x if pin else mapped(x), new))
+    y = lax.reshape(x, new)
+    return neg(y) if pin else mapped(y)
+
+  m = mesh(shape, names)
+  step = gshard.partition(f, m, in_specs=(in_spec,), out_specs=out_spec if pin else None)
+  low = step.lower(x)
+  np.testing.assert_array_equal(np.asarray(step(x)), np.asarray(jax.jit(f)(x)))
+  kinds = {c.kind for c in low.collectives()}
+  if _expected_move(count, axes, sizes):
+    local = x.size // n * np.dtype(dtype).itemsize
+    assert kinds == ({"ppermute"} if count > 1 else set()), low.explain()
+    assert low.total_bytes() <= local, low.explain()
+    assert low.out_shardings[0].dims[0 if merge else 1] == tuple(axes), low.out_shardings
+
+
+def _accumulate(count: int):
+  def step(w, x, y):
+    """SGD on the sum of the micro-batches' gradients (MaxText's form)."""
+    xs = x.reshape(count, -1, x.shape[-1])
+    ys = y.reshape(count, -1, y.shape[-1])
+
+    def body(g, xy):
+      xx, yy = xy
+      return g + jax.grad(lambda w: jnp.sum((xx @ w) * yy))(w), None
+    g, _ = lax.scan(body, jnp.zeros_like(w), (xs, ys))
+    return w - 0.5 * g
+  return step
+
+
+def _ints(rng, shape):
+  return rng.integers(-3, 4, shape).astype(np.float32)
+
+
+def test_gradient_accumulation_keeps_the_batch_split():
+  """K = 2, 4, 8 and 16 micro-batches over 8 devices: each device computes
+  its rows of every micro-batch (the scan's dot reads 128/K/8 rows), the
+  weight gradient is summed once after the loop, and x and y move once:
+  fewer micro-batches than devices, their local blocks by ppermute rounds;
+  at least as many, the scan's all-to-all of its xs from the micro-batch dim
+  to the rows. Before, x and y were gathered and every device computed the
+  whole batch."""
+  rng = np.random.default_rng(0)
+  w, x, y = _ints(rng, (16, 16)), _ints(rng, (128, 16)), _ints(rng, (128, 16))
+  m = mesh((8,), ("data",))
+  local, grad_sum = 128 * 16 * 4 // 8, 2 * 7 * (16 * 16 * 4) // 8
+  for count in (2, 4, 8, 16):
+    step = _accumulate(count)
+    part = gshard.partition(step, m, in_specs=(P(), P("data"), P("data")))
+    low = part.lower(w, x, y)
+    np.testing.assert_array_equal(np.asarray(part(w, x, y)), np.asarray(jax.jit(step)(w, x, y)))
+    kinds = sorted(c.kind for c in low.collectives())
+    if count < 8:
+      assert kinds == ["ppermute"] * (2 * count) + ["psum"], low.explain()
+      assert low.total_bytes() == 2 * local + grad_sum, low.explain()
+    else:
+      assert kinds == ["all_to_all"] * 2 + ["psum"], low.explain()
+      assert low.total_bytes() == 2 * 7 * local // 8 + grad_sum, low.explain()
+    scan = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "scan"][0]
+    dots = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(e.invars[0].aval.shape[0] == 128 // count // 8 for e in dots), dots
+
+
+def test_the_transposed_reshape_moves_the_rows_back():
+  """The input gradient of ``x`` through an accumulation over micro-batches:
+  the backward scan stacks ``dxs`` as ``[K, M@data]`` and the reshape's
+  transpose gives ``dx`` split as ``x`` came in, by the rounds reversed:
+  ppermutes of the local blocks, nothing gathered."""
+  rng = np.random.default_rng(1)
+  w, x = _ints(rng, (16, 16)), _ints(rng, (64, 16))
+  m = mesh((8,), ("data",))
+
+  def step(w, x):
+    def loss(w, x):
+      def body(acc, xx):
+        return acc + jnp.sum((xx @ w) * xx), None
+      return lax.scan(body, jnp.zeros(()), x.reshape(2, 32, 16))[0]
+    return jax.grad(loss, argnums=1)(w, x)
+  part = gshard.partition(step, m, in_specs=(P(), P("data")))
+  low = part.lower(w, x)
+  np.testing.assert_array_equal(np.asarray(part(w, x)), np.asarray(jax.jit(step)(w, x)))
+  assert {c.kind for c in low.collectives()} == {"ppermute"}, low.explain()
+  assert low.total_bytes() <= 2 * 64 * 16 * 4 // 8, low.explain()
+  assert low.out_shardings[0].dims == (("data",), ()), low.out_shardings
+  assert "rows moved to dim" in low.explain()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_gradient_accumulation_is_data_parallel_and_equals_one_device(data):
+  """Random meshes, batch axes (one or two), micro-batch counts below, at
+  and above the device count, rows per device: the accumulation step equals
+  ``jax.jit`` bit for bit (small integers: every order of the sums exact);
+  nothing is gathered, and the scan's dot reads this device's rows of the
+  micro-batch (``B / K / n``)."""
+  shape, names = data.draw(st.sampled_from(MESHES), label="mesh")
+  sizes = dict(zip(names, shape))
+  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
+  n = math.prod(sizes[a] for a in axes)
+  count = data.draw(st.integers(1, 2 * n + 1), label="K")
+  rows = n * data.draw(st.integers(1, 2), label="rows per device")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+  w = _ints(rng, (8, 8))
+  x, y = _ints(rng, (count * rows, 8)), _ints(rng, (count * rows, 8))
+  spec = P(axes[0] if len(axes) == 1 else axes)
+  step = _accumulate(count)
+  part = gshard.partition(step, mesh(shape, names), in_specs=(P(), spec, spec))
+  low = part.lower(w, x, y)
+  np.testing.assert_array_equal(np.asarray(part(w, x, y)), np.asarray(jax.jit(step)(w, x, y)))
+  assert {c.kind for c in low.collectives()} <= {"ppermute", "all_to_all", "psum"}, \
+      low.explain()
+  scan = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "scan"][0]
+  dots = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert dots and all(e.invars[0].aval.shape[0] == rows // n for e in dots), low.explain()
