@@ -14,6 +14,11 @@ Group sizes come from ``replica_groups`` in any of XLA's printed forms:
 ``mesh['x'=2,'y'=4] {'y'}`` (named mesh axes) and ``{}`` (all devices).
 Operand sizes are taken from the defining instruction of each operand, so the
 numbers do not depend on how XLA prints async or tuple result types.
+
+A collective inside a loop runs once per iteration: ``executions`` is the
+product of the trip counts (``known_trip_count``) of the ``while`` loops around
+it (1 where XLA knows none), and ``total`` its bytes over one call of the
+program; ``bytes_sent`` (the module's total) sums ``total``.
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ class HloCollective:
   bytes_sent: float    # per device, ring formula
   op_name: str         # metadata op_name, if printed
   operands: tuple[str, ...] = ()   # operand shapes, e.g. ("f32[8,128]", ...)
+  executions: int = 1  # times it runs per call: the trip counts of the loops around it
+
+  @property
+  def total(self) -> float:
+    """Bytes one device sends by this instruction over one call of the program."""
+    return self.bytes_sent * self.executions
 
 
 def array_bytes(type_text: str) -> int:
@@ -109,6 +120,44 @@ def _bytes_sent(kind: str, n: int, s_in: int, line: str) -> float:
   return float(s_in) if any(a != b for a, b in pairs) else 0.0
 
 
+_HEAD = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+_CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)"
+                     r"=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
+
+
+def _executions(lines: list[str]) -> list[int]:
+  """Per line, how many times one call of the module runs it: a while body
+  its loop's ``known_trip_count`` times (its condition once more), nested
+  loops multiplied, any other called computation as often as its caller
+  (a conditional's branches each at most once: counted once)."""
+  comp_of, calls, entry, cur = [], {}, None, None
+  for line in lines:
+    head = _HEAD.match(line)
+    if head and not line.startswith(" "):
+      cur = head.group(2)
+      calls[cur] = []
+      entry = cur if head.group(1) else entry
+    elif cur is not None and line.startswith("  "):
+      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+      n = int(trips.group(1)) if trips and " while(" in line else 1
+      for m in _CALLEE.finditer(line):
+        if m.group(3) is not None:
+          calls[cur] += [(c.strip().lstrip("%"), 1) for c in m.group(3).split(",")]
+        else:
+          calls[cur].append((m.group(2), n + 1 if m.group(1) == "condition" and n > 1
+                             else n if m.group(1) == "body" else 1))
+    comp_of.append(cur)
+  runs: dict[str, int] = {}
+
+  def visit(comp: str, k: int) -> None:
+    runs[comp] = runs.get(comp, 0) + k
+    for callee, times in calls.get(comp, ()):
+      visit(callee, k * times)
+  if entry is not None:
+    visit(entry, 1)
+  return [runs.get(c, 1) if c is not None else 1 for c in comp_of]
+
+
 def collectives(hlo_text: str, num_devices: int) -> list[HloCollective]:
   """Every collective of the module, in text order."""
   types: dict[str, str] = {}
@@ -117,8 +166,9 @@ def collectives(hlo_text: str, num_devices: int) -> list[HloCollective]:
     m = _INSTR.match(line)
     if m:
       types[m.group(1)] = _result_type(line, m)
+  runs = _executions(lines)
   out = []
-  for line in lines:
+  for line, executions in zip(lines, runs):
     m = _INSTR.match(line)
     if not m:
       continue
@@ -142,13 +192,14 @@ def collectives(hlo_text: str, num_devices: int) -> list[HloCollective]:
     op_name = re.search(r'op_name="([^"]*)"', line)
     out.append(HloCollective(m.group(1), kind, n, s_in,
                              _bytes_sent(kind, n, s_in, line),
-                             op_name.group(1) if op_name else "", shapes))
+                             op_name.group(1) if op_name else "", shapes, executions))
   return out
 
 
 def bytes_sent(hlo_text: str, num_devices: int) -> float:
-  """Total bytes one device sends over all collectives of the module."""
-  return sum(c.bytes_sent for c in collectives(hlo_text, num_devices))
+  """Total bytes one device sends over one call of the module (a collective
+  in a loop once per iteration)."""
+  return sum(c.total for c in collectives(hlo_text, num_devices))
 
 
 def distinct_kernels(hlo_text: str) -> int:

@@ -344,9 +344,9 @@ def measure(case: Case, runs: int, min_seconds: float = 8.0) -> tuple[Result, Re
     t0 = time.perf_counter()
     _block(base(*placed))
     b_times.append(time.perf_counter() - t0)
-  return (Result("gshard", sum(c.bytes_sent for c in g_cols), g_cols, g_times, g_mem,
+  return (Result("gshard", sum(c.total for c in g_cols), g_cols, g_times, g_mem,
                  g_parts, g_over, g_compile, g_out, hlo.same_program(g_hlo, b_hlo, n)),
-          Result("GSPMD", sum(c.bytes_sent for c in b_cols), b_cols, b_times, b_mem,
+          Result("GSPMD", sum(c.total for c in b_cols), b_cols, b_times, b_mem,
                  b_parts, b_over, b_compile, b_out))
 
 
@@ -423,7 +423,9 @@ def collective_listing(r: Result) -> list[str]:
     if len(shapes) > 60:
       shapes = shapes[:57] + "..."
     lines.append(f"    {c.kind:<18} n={c.group_size}  in {fmt_bytes(c.operand_bytes):>10}"
-                 f"  sent {fmt_bytes(c.bytes_sent):>10}  ({shapes})  {c.op_name[:70]}")
+                 f"  sent {fmt_bytes(c.bytes_sent):>10}"
+                 + (f" x{c.executions} (a loop)" if c.executions > 1 else "")
+                 + f"  ({shapes})  {c.op_name[:70]}")
   return lines
 
 

@@ -110,7 +110,7 @@ def describe(name: str, fn, args, m) -> dict:
   out = dict(temp=mem.temp_size_in_bytes,
              total=mem.temp_size_in_bytes + mem.argument_size_in_bytes
              + mem.output_size_in_bytes,
-             hlo_bytes=sum(c.bytes_sent for c in hlo_cols))
+             hlo_bytes=sum(c.total for c in hlo_cols))
   if name.startswith("gshard"):
     cols = lowered.collectives()
     out["bytes"] = sum(c.bytes for c in cols)
@@ -233,10 +233,10 @@ def write_doc(r: dict, load: tuple[float, float]) -> None:
       "",
       "Bytes: gshard's record (a ring's ppermutes, one per step; a loop body's "
       "counted per trip); GSPMD's from its compiled HLO by the ring formulas. "
-      "Checked against gshard's own compiled HLO: off, "
-      f"{kib(step['gshard off']['hlo_bytes'])} (train step) as recorded; on, "
-      f"{kib(step['gshard on']['hlo_bytes'])} in its instructions, the two weight "
-      "gradients' loops counting their one ppermute once (it runs 7 times). "
+      "Checked against gshard's own compiled HLO (a collective in a loop counted "
+      "once per trip, benchmarks/hlo.py): train step off "
+      f"{kib(step['gshard off']['hlo_bytes'])}, on "
+      f"{kib(step['gshard on']['hlo_bytes'])}, as recorded. "
       "Memory: `compiled.memory_analysis()`, temp = buffers that are neither "
       "arguments nor outputs; all = temp + arguments + outputs.",
       "",

@@ -158,3 +158,25 @@ def test_hlo_parser_on_a_compiled_program(mesh):
   text = f.lower(jnp.ones((8, 256))).compile().as_text()
   cols = hlo.collectives(text, 8)
   assert sum(c.bytes_sent for c in cols) == pytest.approx(2 * 7 / 8 * 256 * 4)
+
+
+def test_hlo_parser_counts_a_loop_body_once_per_trip(mesh):
+  """A collective inside a loop runs once per iteration: ``executions`` is
+  the trip count (nested loops multiplied), ``bytes_sent`` of the module sums
+  ``total``; one outside any loop runs once."""
+  def body(x):
+    def outer(c, _):
+      def inner(c, _):
+        return jax.lax.psum(c, "data") * 0.5, None
+      c, _ = jax.lax.scan(inner, c, None, length=3)
+      return c, None
+    y, _ = jax.lax.scan(outer, x, None, length=5)
+    return jax.lax.psum(y, "model")
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+  text = f.lower(jnp.ones((4, 64))).compile().as_text()
+  cols = hlo.collectives(text, 8)
+  per = {c.group_size: c for c in cols}
+  assert per[2].executions == 15 and per[4].executions == 1, cols
+  size = 4 * 64 * 4
+  assert per[2].total == pytest.approx(15 * 2 * 1 / 2 * size)
+  assert hlo.bytes_sent(text, 8) == pytest.approx(15 * size + 2 * 3 / 4 * size)
