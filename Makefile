@@ -46,6 +46,7 @@ bench: venv
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/client.py
 	$(PY) benchmarks/windowed.py
+	$(PY) benchmarks/accumulate.py
 	$(PY) benchmarks/dispatch.py
 	$(PY) benchmarks/auto.py
 	$(PY) benchmarks/layouts.py

@@ -25,6 +25,9 @@ The code is not written for gshard:
                  moment) split on its largest dim divisible by 8, the JAX
                  FSDP recipe (a ``tree_map`` over the state)
     lm_dp        mesh data=8: batch over data, state replicated
+    lm_accum     lm_fsdp's layout, the gradient accumulated over 2 micro-batches
+                 (``lm_accum_train_step``: the batch reshaped to [2, B/2], a
+                 ``lax.scan`` summing losses and gradients, as MaxText does)
 
 - ``ResNet``: flax/examples/imagenet's ResNet (``ResNetBlock`` with projection
   shortcuts, a 7x7/2 stem, BatchNorm in train mode with ``batch_stats``
@@ -163,6 +166,24 @@ def lm_train_step(state, batch):
   return state, {"loss": loss, "lr": LM_SCHEDULE(state.step)}
 
 
+def lm_accum_train_step(state, batch, microbatches: int = 2):
+  """``lm_train_step`` with gradient accumulation as MaxText writes it: the
+  batch reshaped into micro-batches, a ``lax.scan`` adding their losses and
+  gradients, the mean applied once."""
+  def loss_fn(params, mb):
+    logits = state.apply_fn({"params": params}, mb["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"]).mean()
+
+  mbs = jax.tree.map(lambda x: x.reshape((microbatches, -1) + x.shape[1:]), batch)
+
+  def body(acc, mb):
+    return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn)(state.params, mb)), None
+  zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+  (loss, grads), _ = jax.lax.scan(body, zeros, mbs)
+  state = state.apply_gradients(grads=jax.tree.map(lambda g: g / microbatches, grads))
+  return state, {"loss": loss / microbatches, "lr": LM_SCHEDULE(state.step)}
+
+
 LM_SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=10,
                                                  decay_steps=1000)
 
@@ -217,6 +238,10 @@ def lm_cases(batch=16, cfg=LMConfig()) -> list[tuple[R.Case, tuple]]:
       (R.Case("lm_dp", f"Flax LM ({size}), data parallel: state replicated, batch "
               "over 8, mesh data=8", (8,), ("data",), lm_train_step, (state, data),
               (dp, P("data")), {}, ""), DATA_RULES),
+      (R.Case("lm_accum", f"Flax LM ({size}), FSDP as lm_fsdp, gradients accumulated "
+              "over 2 micro-batches (the batch reshaped, a scan), mesh data=8", (8,),
+              ("data",), lm_accum_train_step, (state, data), (fsdp, P("data")), {}, ""),
+       DATA_RULES),
   ]
 
 
