@@ -59,9 +59,11 @@ def _values(rng, shape, dtype):
 
 
 def _expected_move(count: int, axes, sizes) -> bool:
-  """The split cannot stay on the micro-batch dim: the first axis does not
-  divide K (no factor holds it), so the rows move."""
-  return count % sizes[axes[0]] != 0
+  """The factors cannot hold the whole split, so the rows move: K is no
+  multiple of all the axes, and not exactly the first of two (then M
+  takes the second)."""
+  n = math.prod(sizes[a] for a in axes)
+  return count % n != 0 and not (len(axes) == 2 and count == sizes[axes[0]])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,8 +99,10 @@ def test_micro_batch_reshapes_equal_one_device(data):
   def neg(r):
     return ~r if r.dtype == np.bool_ else -r
 
-  def mapped(xs):                       # a scan over the micro-batch dim
-    return lax.scan(lambda c, r: (c, neg(r)), 0, xs)[1]
+  def mapped(xs):            # a loop over micro-batches: its carry a sum
+    def body(c, r):
+      return c + jnp.sum(r.astype(jnp.int32)), neg(r)
+    return lax.scan(body, jnp.int32(0), xs)[1]
 
   def f(x):
     if merge:                           # the micro-batches a scan's ys
@@ -216,3 +220,47 @@ def test_gradient_accumulation_is_data_parallel_and_equals_one_device(data):
   scan = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "scan"][0]
   dots = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dot_general"]
   assert dots and all(e.invars[0].aval.shape[0] == rows // n for e in dots), low.explain()
+
+
+def test_a_scan_over_stacked_layers_keeps_its_xs():
+  """A scan over stacked layer weights split on the layer dim, carrying the
+  activation and an aux-loss sum (the MoE pattern) is no loop over
+  micro-batches: its weights are read as they come, as before (a second
+  reader found them moved to their rows, 7 KiB -> 32 KiB)."""
+  rng = np.random.default_rng(2)
+  ws, x = _ints(rng, (8, 16, 16)), _ints(rng, (64, 16))
+
+  def layers(ws, x):
+    def body(c, w):
+      h, aux = c
+      h = h @ w
+      return (h, aux + jnp.sum(h)), None
+    return lax.scan(body, (x, jnp.zeros(())), ws)[0]
+  m = mesh((8,), ("x",))
+  plain = gshard.partition(lambda ws, x: lax.scan(lambda h, w: (h @ w, None), x, ws)[0], m,
+                           in_specs=(P("x"), P()))
+  part = gshard.partition(layers, m, in_specs=(P("x"), P()))
+  low = part.lower(ws, x)
+  got, want = part(ws, x), jax.jit(layers)(ws, x)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert low.total_bytes() == plain.lower(ws, x).total_bytes(), low.explain()
+  assert {c.kind for c in low.collectives()} <= {"all_gather", "psum"}, low.explain()
+
+
+def test_a_first_axis_on_the_micro_batches_is_not_enough():
+  """Batch over (x, y) = 2 x 4 and K = 4 micro-batches: K could hold x but
+  not y. The rows move so the micro-batches split over both (the scan's dot
+  reads 1 row of each 8): before the fix a second reader found y gathered
+  and 4 rows computed per device."""
+  rng = np.random.default_rng(3)
+  w, x, y = _ints(rng, (8, 8)), _ints(rng, (32, 8)), _ints(rng, (32, 8))
+  step = _accumulate(4)
+  part = gshard.partition(step, mesh((2, 4), ("x", "y")),
+                          in_specs=(P(), P(("x", "y")), P(("x", "y"))))
+  low = part.lower(w, x, y)
+  np.testing.assert_array_equal(np.asarray(part(w, x, y)), np.asarray(jax.jit(step)(w, x, y)))
+  assert {c.kind for c in low.collectives()} == {"ppermute", "psum"}, low.explain()
+  scan = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "scan"][0]
+  dots = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert dots and all(e.invars[0].aval.shape[0] == 1 for e in dots), low.explain()

@@ -108,11 +108,12 @@ def conflicts(graph: Graph) -> list[Conflict]:
   out = []
   for b in graph.bounds:
     mesh = graph.mesh_sizes
-    if relayout.carried(b, mesh):      # rows move: the factors differ by design
-      continue
+    moved = relayout.carried(b, mesh)     # rows move: these factors differ by design
     holders, _ = factors.holders(b.rule, b.operands, b.results, mesh)
     solved = by_factor = None
     for f in b.rule.factors:
+      if f in moved:
+        continue
       hs = holders[f]
       cands = sorted({h.proj for h in hs if h.proj or h.fixed})
       clash = [(x, y) for x in cands for y in cands

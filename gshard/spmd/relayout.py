@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from gshard.spmd import factors
+from gshard.spmd.collectives import is_key
 from gshard.spmd.rules.control import accumulators
 from gshard.spmd.sharding import Axes, TensorSharding
 
@@ -67,9 +68,10 @@ class Move:
 
 def find(rule, eqn, op_dims, mesh) -> Move | None:
   """The move a reshape's rule allows for its operand's split (``op_dims``):
-  a split of the operand's compound dim that no factor can hold, to the
-  result's dim of the minor-most factor; or (``merge``) a split of the
-  operand's ``M`` dim to the result's compound dim. None when there is none."""
+  a split of the operand's compound dim that its factors cannot hold whole
+  (``K`` holding a first axis of two is not enough), to the result's dim of
+  the minor-most factor; or (``merge``) a split of the operand's ``M`` dim
+  to the result's compound dim. None when there is none."""
   if (eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None
       or len(rule.operands) != 1 or len(rule.results) != 1):
     return None
@@ -85,8 +87,9 @@ def find(rule, eqn, op_dims, mesh) -> Move | None:
       if not axes:
         continue
       n = math.prod(mesh[a] for a in axes)
-      if factors.project([fs], [axes], size, mesh) or size[fs[-1]] % n:
-        continue
+      held = factors.project([fs], [axes], size, mesh)
+      if sum(len(a) for a in held.values()) == len(axes) or size[fs[-1]] % n:
+        continue                # the factors hold it all, or M cannot
       # the factors before M: dims of their own (the micro-batch dims)
       before = tuple(k for k, d in enumerate(rows) if set(d) & set(fs[:-1]))
       if not all(set(rows[k]) <= set(fs[:-1]) for k in before):
@@ -102,20 +105,33 @@ def target_dim(move: Move) -> int:
   return move.compound if move.merge else move.rows
 
 
-def carried(bound, mesh) -> bool:
-  """Whether ``bound`` (a reshape) carries its operand's split to its result
-  by moving rows: the factors disagree there by design (no conflict)."""
+def carried(bound, mesh) -> frozenset[str]:
+  """The factors whose split ``bound`` (a reshape) carries to its result by
+  moving rows (the compound dim's: their tensors disagree there by design,
+  no conflict); empty for any other constraint."""
   if bound.eqn is None or len(bound.operands) != 1 or len(bound.results) != 1 or \
       bound.operands[0] is None or bound.results[0] is None:
-    return False
+    return frozenset()
   move = find(bound.rule, bound.eqn, bound.operands[0].sharding.dims, mesh)
-  return move is not None and \
-      bound.results[0].sharding.dims[target_dim(move)] == move.axes
+  if move is None or bound.results[0].sharding.dims[target_dim(move)] != move.axes:
+    return frozenset()
+  side = bound.rule.results[0] if move.merge else bound.rule.operands[0]
+  return frozenset(side[move.compound])
+
+
+def _accumulates(eqn) -> bool:
+  """Whether ``eqn`` is a loop over micro-batches: a scan whose every carry
+  only accumulates (gradient and loss sums). A scan over stacked layers
+  carries the activation (an aux-loss sum beside it does not make it one)."""
+  p = eqn.params
+  return eqn.primitive.name == "scan" and p["num_carry"] > 0 and len(accumulators(
+      p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"])) == p["num_carry"]
 
 
 def _scan_strips(graph, touching, t, outer_is_operand: bool) -> bool:
-  """Whether ``t`` is a scan's ``xs`` (``outer_is_operand``) or ``ys``: a
-  scan constraint strips its leading dim (the scanned one)."""
+  """Whether ``t`` is the ``xs`` (``outer_is_operand``) or ``ys`` of a scan
+  over micro-batches (:func:`_accumulates`): a scan constraint strips its
+  leading dim (the scanned one)."""
   for k in touching.get(id(t), ()):
     b = graph.bounds[k]
     if b.eqn is None or b.eqn.primitive.name != "scan" or len(b.operands) != 1 \
@@ -124,7 +140,7 @@ def _scan_strips(graph, touching, t, outer_is_operand: bool) -> bool:
     outer, inner = (b.operands[0], b.results[0]) if outer_is_operand else \
         (b.results[0], b.operands[0])
     if outer is t and inner is not None and len(inner.shape) == len(t.shape) - 1:
-      return True
+      return _accumulates(b.eqn)
   return False
 
 
@@ -144,24 +160,56 @@ def propose(graph, touching) -> set[int]:
     (op,), (res,) = b.operands, b.results
     if op is None or res is None:
       continue
-    move = find(b.rule, b.eqn, op.sharding.dims, mesh)
+    move = None if is_key(op.dtype) else find(b.rule, b.eqn, op.sharding.dims, mesh)
     if move is None or move.before != (0,) or move.rows != 1 or not (
         _scan_strips(graph, touching, op, False) if move.merge
         else _scan_strips(graph, touching, res, True)):
       continue
-    d = target_dim(move)
-    if res.sharding.dims[d] or d in res.fixed or set(move.axes) & set(res.sharding.axes):
-      continue
-    dims = list(res.sharding.dims)
-    dims[d] = move.axes
-    res.sharding = TensorSharding(tuple(dims), res.sharding.partial)
-    out.update(touching.get(id(res), ()))
+    dims = _moved_layout(move, res)
+    if dims is not None:
+      res.sharding = TensorSharding(dims, res.sharding.partial)
+      out.update(touching.get(id(res), ()))
   return out
 
 
+def _moved_layout(move: Move, res) -> tuple | None:
+  """``res``'s dims with the move's split on its target dim, or None where
+  ``res`` is laid out otherwise. The first phase may have given the
+  micro-batch dims (the compound dim of a merge) a first axis of the split,
+  as far as the factors hold it: that part is taken back, and the whole
+  split goes to the rows."""
+  d = target_dim(move)
+  cur = list(res.sharding.dims)
+  undo = [d] if move.merge else list(move.before)
+  taken = tuple(a for k in undo for a in cur[k])
+  if (taken != move.axes[:len(taken)] or taken == move.axes
+      or (not move.merge and cur[d]) or any(k in res.fixed for k in undo + [d])
+      or any(set(c) & set(move.axes) for k, c in enumerate(cur) if k not in undo)):
+    return None
+  for k in undo:
+    cur[k] = ()
+  cur[d] = move.axes
+  return tuple(cur)
+
+
+def _cut_from_a_batch(graph, touching, t) -> bool:
+  """Whether ``t`` is a reshape's result whose leading dim is the leading
+  part of one of the operand's dims: micro-batches cut from a batch
+  (``x.reshape(K, B // K, ...)``), not stacked weights."""
+  for k in touching.get(id(t), ()):
+    b = graph.bounds[k]
+    if (b.eqn is not None and b.eqn.primitive.name == "reshape" and b.results
+        and b.results[0] is t and len(b.rule.results) == 1 and b.rule.results[0]):
+      lead = b.rule.results[0][0]
+      return any(len(fs) > len(lead) and fs[:len(lead)] == lead
+                 for fs in b.rule.operands[0])
+  return False
+
+
 def propose_scans(graph, touching) -> set[int]:
-  """A scan that accumulates (a sum carry, as gradient accumulation does)
-  over ``xs`` split on the scanned dim (``K@data``: at least as many
+  """A scan that accumulates (every carry a sum, as gradient accumulation's)
+  over micro-batches cut from a batch (a reshape's result) split on the
+  scanned dim (``K@data``: at least as many
   micro-batches as devices): each step's slice takes the split on its
   leading dim (the rows, after any split they have; where it divides them
   evenly), so every device computes its
@@ -180,9 +228,8 @@ def propose_scans(graph, touching) -> set[int]:
         or b.rule.operands[0][0][0] not in b.rule.blocked):
       continue                                  # not an xs entering the body
     axes = outer.sharding.dims[0]
-    p = e.params
-    if not axes or set(axes) & set(inner.sharding.axes) or not accumulators(
-        p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]):
+    if (not axes or set(axes) & set(inner.sharding.axes) or not _accumulates(e)
+        or not _cut_from_a_batch(graph, touching, outer)):
       continue
     rows = inner.sharding.dims[0] if inner.shape else ()
     n = math.prod(mesh[a] for a in rows + tuple(axes))

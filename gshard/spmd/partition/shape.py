@@ -202,12 +202,12 @@ def reshape_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
     return generic_rule(ctx, eqn, ins, scope, idx)
   plan = plan_local(ctx, eqn, ins, scope)
   op_dims, out_dims = list(plan.operands[0].dims), list(plan.results[0].dims)
-  # the plan's dims for the move's factors: the compound dim and the
-  # micro-batch dims unsplit (gathered to be sliced), M as the target wants
+  # the move's dims as the move lays them out (the plan's factors gather the
+  # compound dim, or hold a first axis on the micro-batches), the others as
+  # the plan has them
   compound, rows = (out_dims, op_dims) if move.merge else (op_dims, out_dims)
-  if (compound[move.compound] or any(rows[d] for d in move.before)
-      or rows[move.rows] not in ((), move.axes)):
-    return generic_rule(ctx, eqn, ins, scope, idx)
+  for d in move.before:
+    rows[d] = ()
   compound[move.compound] = rows[move.rows] = move.axes
   try:
     op_s = TensorSharding(tuple(op_dims), plan.operands[0].partial)
