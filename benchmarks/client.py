@@ -439,7 +439,8 @@ def write_doc(path: str, rows, runs: int, seconds: float, load: tuple[float, flo
          "shardings. A case whose ratio misses the bar is measured a second time "
          "(compiled and timed again) and the second measurement is the one shown.",
          "- Bytes: collective bytes one device sends, from each compiled program's "
-         "optimized HLO with the ring formulas (benchmarks/hlo.py). Memory: temp + "
+         "optimized HLO with the ring formulas (benchmarks/hlo.py; a collective "
+         "inside a loop once per iteration: lm_accum's scan). Memory: temp + "
          "argument + output of `compiled.memory_analysis()`. Own overhead: gshard's "
          "trace + propagate + partition set-up + lower; for GSPMD jax's trace + lower. "
          "XLA compile: `lowered.compile()`.", "",

@@ -482,7 +482,8 @@ def write_doc(path: str, rows, runs: int, load: tuple[float, float]) -> None:
          "program's optimized HLO (`compiled.as_text()`) with the ring formulas "
          "(bytes one device sends: all-reduce 2(n-1)/n·S, all-gather (n-1)/n·S_out, "
          "reduce-scatter (n-1)/n·S_in, all-to-all (n-1)/n·S, collective-permute S); "
-         "tuple-merged collectives counted per operand.",
+         "tuple-merged collectives counted per operand; a collective inside a "
+         "loop once per iteration.",
          "- Memory: per device, temp + argument + output bytes of "
          "`compiled.memory_analysis()`.",
          "- Overhead: gshard's own time for one new input signature: trace + "

@@ -16,16 +16,18 @@ send the block's bytes once in all. The transposed reshape (``[K, M@data] ->
 [B]``, a backward pass) runs the rounds the other way and gives ``[B@data]``.
 
 Where ``K`` is a multiple of ``n`` the reshape is free (``xs: [K@data, M]``),
-and a scan over the micro-batches would gather ``xs``: a scan that
-accumulates (a sum carry) gives each step's slice the split on its rows
-instead, and moves it there with one all-to-all (:func:`propose_scans`).
+and a scan over the micro-batches would gather ``xs``: a loop over
+micro-batches (a scan whose every carry is a sum, its ``xs`` cut from a batch
+by a reshape) gives each step's slice the split on its rows instead, and
+moves it there with one all-to-all (:func:`propose_scans`).
 
-Both are hints propagation gives after its first phase, to tensors that came
-out unsplit there; the second phase carries them on. The reshape's only where
-its micro-batches are a scan's (:func:`propose`): a reshape of features
-(``[3D] -> [3, H, Dh]``) moved so would split ``Dh`` and sum the attention
-scores. Only a dim whose factors hold none of its axes moves, and only where
-``M`` splits evenly.
+Both are hints propagation gives after its first phase; the second phase
+carries them on. The reshape's only where such a loop reads its
+micro-batches (:func:`propose`): a reshape of features (``[3D] -> [3, H,
+Dh]``) moved so would split ``Dh`` and sum the attention scores, and a scan
+over stacked layers (the activation carried) reads its weights as they come.
+Only a dim whose factors cannot hold all its axes moves, and only where ``M``
+splits evenly.
 """
 
 from __future__ import annotations
