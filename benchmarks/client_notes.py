@@ -23,6 +23,14 @@ NOTES = """
   gathering the table. Its gradient is the mirror image (84 KiB), against
   GSPMD's all-reduce of the whole table gradient (448 KiB).
 - `lm_dp`: one all-reduce of all gradients on both sides, the same bytes.
+- `lm_accum` (`lm_fsdp`'s layout, the gradient summed over 2 micro-batches by a
+  scan): both compute each micro-batch data parallel (the model's logical
+  constraints split the activations' batch inside the loop). gshard moves the
+  tokens' rows once, before the loop (collective permutes of 256 B), gathers
+  the weights once, before the loop, and reduce-scatters each micro-batch's
+  weight gradients into the split sum. GSPMD all-reduces the whole gradient in
+  each iteration (3.13 MiB a micro-batch) before slicing out each device's
+  part.
 - `resnet`: both exchange the same halos (collective permutes) in the spatially
   split stem. After it, GSPMD gathers activations around the channel-split
   convolutions and all-reduces their input gradients; gshard moves more of the
