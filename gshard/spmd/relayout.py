@@ -33,6 +33,7 @@ splits evenly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -130,19 +131,26 @@ def _accumulates(eqn) -> bool:
       p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"])) == p["num_carry"]
 
 
-def _scan_strips(graph, touching, t, outer_is_operand: bool) -> bool:
-  """Whether ``t`` is the ``xs`` (``outer_is_operand``) or ``ys`` of a scan
-  over micro-batches (:func:`_accumulates`): a scan constraint strips its
-  leading dim (the scanned one)."""
+def _strip(b, xs: bool):
+  """``(outer, inner)`` where ``b`` is a scan's constraint stripping the
+  scanned dim of an ``xs`` entering the body (``xs``) or of a ``ys`` leaving
+  it; None for any other constraint."""
+  if (b.eqn is None or b.eqn.primitive.name != "scan" or len(b.operands) != 1
+      or len(b.results) != 1):
+    return None
+  outer, inner = (b.operands[0], b.results[0]) if xs else (b.results[0], b.operands[0])
+  if outer is None or inner is None or len(outer.shape) != len(inner.shape) + 1:
+    return None
+  return outer, inner
+
+
+def _scan_strips(graph, touching, t, xs: bool) -> bool:
+  """Whether ``t`` is the ``xs`` (``xs``) or ``ys`` of a scan over
+  micro-batches (:func:`_accumulates`)."""
   for k in touching.get(id(t), ()):
-    b = graph.bounds[k]
-    if b.eqn is None or b.eqn.primitive.name != "scan" or len(b.operands) != 1 \
-        or len(b.results) != 1:
-      continue
-    outer, inner = (b.operands[0], b.results[0]) if outer_is_operand else \
-        (b.results[0], b.operands[0])
-    if outer is t and inner is not None and len(inner.shape) == len(t.shape) - 1:
-      return _accumulates(b.eqn)
+    pair = _strip(graph.bounds[k], xs)
+    if pair is not None and pair[0] is t:
+      return _accumulates(graph.bounds[k].eqn)
   return False
 
 
@@ -211,32 +219,26 @@ def _cut_from_a_batch(graph, touching, t) -> bool:
 def propose_scans(graph, touching) -> set[int]:
   """A scan that accumulates (every carry a sum, as gradient accumulation's)
   over micro-batches cut from a batch (a reshape's result) split on the
-  scanned dim (``K@data``: at least as many
-  micro-batches as devices): each step's slice takes the split on its
-  leading dim (the rows, after any split they have; where it divides them
-  evenly), so every device computes its
+  scanned dim (``K@data``: at least as many micro-batches as devices): each
+  step's slice takes the split on its leading dim (the rows, after any split
+  they have; where it divides them evenly), so every device computes its
   rows of every step and the sum stays pending round the loop, one psum
   after it; the scan moves the split (one all-to-all) instead of gathering
   ``xs``. The constraints touching a changed slice."""
   mesh = graph.mesh_sizes
   out: set[int] = set()
   for b in graph.bounds:
-    e = b.eqn
-    if (e is None or e.primitive.name != "scan" or len(b.operands) != 1
-        or len(b.results) != 1 or b.operands[0] is None or b.results[0] is None):
+    pair = _strip(b, xs=True)
+    if pair is None or not pair[1].shape:
       continue
-    outer, inner = b.operands[0], b.results[0]
-    if (len(outer.shape) != len(inner.shape) + 1 or not b.rule.operands[0]
-        or b.rule.operands[0][0][0] not in b.rule.blocked):
-      continue                                  # not an xs entering the body
+    outer, inner = pair
     axes = outer.sharding.dims[0]
-    if (not axes or set(axes) & set(inner.sharding.axes) or not _accumulates(e)
+    if (not axes or set(axes) & set(inner.sharding.axes) or not _accumulates(b.eqn)
         or not _cut_from_a_batch(graph, touching, outer)):
       continue
-    rows = inner.sharding.dims[0] if inner.shape else ()
+    rows = inner.sharding.dims[0]
     n = math.prod(mesh[a] for a in rows + tuple(axes))
-    if (not inner.shape or rows != outer.sharding.dims[1] or 0 in inner.fixed
-        or inner.shape[0] % n):
+    if rows != outer.sharding.dims[1] or 0 in inner.fixed or inner.shape[0] % n:
       continue
     inner.sharding = TensorSharding((rows + tuple(axes),) + inner.sharding.dims[1:],
                                     inner.sharding.partial)
@@ -244,9 +246,10 @@ def propose_scans(graph, touching) -> set[int]:
   return out
 
 
+@functools.lru_cache(maxsize=256)
 def schedule(count: int, n: int):
-  """The ppermute rounds of a split move, or None if they do not come out
-  as permutations: per round ``r`` (``count`` of them), for each source
+  """The ppermute rounds of a split move (memoised), or None if they do not
+  come out as permutations: per round ``r`` (``count`` of them), for each source
   device ``s`` (linear index over the axes) the piece it sends, the device it
   goes to, and (indexed by the receiver) the micro-batch it lands at."""
   g = math.gcd(count, n)
@@ -260,4 +263,6 @@ def schedule(count: int, n: int):
   for r in range(count):
     sender[r, dest[r]] = src
     lands[r, dest[r]] = (src * count + piece[r]) // n
+  for table in (piece, dest, sender, lands):    # memoised: shared, never written
+    table.setflags(write=False)
   return piece, dest, sender, lands
