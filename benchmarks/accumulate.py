@@ -1,9 +1,11 @@
 """Gradient accumulation: gshard against XLA's GSPMD, by micro-batch count.
 
 An MLP SGD step (``tanh(x @ w1) @ w2``, squared error) whose gradient is
-accumulated over K micro-batches the way MaxText writes it: the batch
-reshaped to ``[K, B/K, D]``, a ``lax.scan`` adding the micro-batches'
-gradients, one update with their mean. The batch is split over ``data`` = 8
+accumulated over K micro-batches, in two forms: as MaxText writes it (the
+batch reshaped to ``[K, B/K, D]``, a ``lax.scan`` adding the micro-batches'
+gradients; ``scan``), and as a ``lax.fori_loop`` reading micro-batch ``i``
+with ``lax.dynamic_slice_in_dim(x, i * B/K, B/K)`` (``fori``); one update
+with their mean. The batch is split over ``data`` = 8
 simulated CPU devices, the weights replicated (data parallel); nothing else
 is annotated. K runs from 1 (no accumulation) to 32, below, at and above the
 device count.
@@ -61,16 +63,28 @@ COUNTS = (1, 2, 4, 8, 16, 32)
 DOC = os.path.join(_ROOT, "docs", "benchmarks-accumulate.md")
 
 
-def accumulate(count: int):
+FORMS = ("scan", "fori")
+
+
+def accumulate(count: int, form: str = "scan"):
   def loss(p, x, y):
     return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
   def step(p, x, y):
-    xs, ys = x.reshape(count, -1, D), y.reshape(count, -1, D)
+    zeros = jax.tree.map(jnp.zeros_like, p)
+    if form == "scan":
+      xs, ys = x.reshape(count, -1, D), y.reshape(count, -1, D)
 
-    def body(g, xy):
-      return jax.tree.map(jnp.add, g, jax.grad(loss)(p, *xy)), None
-    g, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), (xs, ys))
+      def body(g, xy):
+        return jax.tree.map(jnp.add, g, jax.grad(loss)(p, *xy)), None
+      g, _ = jax.lax.scan(body, zeros, (xs, ys))
+    else:
+      rows = B // count
+
+      def body(i, g):
+        xy = [jax.lax.dynamic_slice_in_dim(a, i * rows, rows) for a in (x, y)]
+        return jax.tree.map(jnp.add, g, jax.grad(loss)(p, *xy))
+      g = jax.lax.fori_loop(0, count, body, zeros)
     return jax.tree.map(lambda w, g: w - 0.1 * g / count, p, g)
   return step
 
@@ -103,7 +117,7 @@ def minimum(count: int) -> float:
   return grads + block
 
 
-def measure(count: int, runs: int) -> dict:
+def measure(count: int, runs: int, form: str = "scan") -> dict:
   mesh = gshard.make_mesh((N,), ("data",))
   rng = np.random.default_rng(0)
   p = {"w1": rng.standard_normal((D, H)).astype(np.float32) / 16,
@@ -114,7 +128,7 @@ def measure(count: int, runs: int) -> dict:
   rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   placed = (jax.tree.map(lambda a: jax.device_put(a, rep), p),
             jax.device_put(x, split), jax.device_put(y, split))
-  step = accumulate(count)
+  step = accumulate(count, form)
   systems = {"gshard": gshard.partition(step, mesh, in_specs=specs),
              "GSPMD": gshard.gspmd_jit(step, mesh, in_specs=specs)}
   out = {}
@@ -136,18 +150,19 @@ def measure(count: int, runs: int) -> dict:
       out[name]["times"].append(time.perf_counter() - t0)
   diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
       jax.tree.leaves(out["gshard"]["value"]), jax.tree.leaves(out["GSPMD"]["value"])))
-  return dict(count=count, minimum=minimum(count), diff=diff, **{
+  return dict(count=count, form=form, minimum=minimum(count), diff=diff, **{
       name: dict(r, step_ms=1e3 * float(np.median(r["times"]))) for name, r in out.items()})
 
 
 def table(rows) -> list[str]:
-  lines = ["| K | rows per micro-batch | system | bytes / device / step | vs minimum "
+  lines = ["| form | K | rows per micro-batch | system | bytes / device / step | vs minimum "
            "| rows one device computes | memory / device | step ms (median) |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|"]
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
   for r in rows:
     for name in ("gshard", "GSPMD"):
       s = r[name]
-      lines.append(f"| {r['count']} | {B // r['count']} | {name} | {s['bytes'] / 1024:,.1f} KiB "
+      lines.append(f"| {r['form']} | {r['count']} | {B // r['count']} | {name} | "
+                   f"{s['bytes'] / 1024:,.1f} KiB "
                    f"| {s['bytes'] / r['minimum']:.2f}x | {s['rows']} | "
                    f"{s['memory'] / 2**20:.2f} MiB | {s['step_ms']:.2f} |")
   return lines
@@ -164,7 +179,20 @@ def _commit() -> str:
     return "unknown"
 
 
+def _fori_gspmd(rows) -> str:
+  """What GSPMD does with the fori form, from the measured rows."""
+  fori = [r for r in rows if r["form"] == "fori"]
+  return ("sends " + ", ".join(f"K={r['count']} {r['GSPMD']['bytes'] / r['minimum']:.2f}x"
+                                for r in fori)
+          + " the minimum and computes " + ", ".join(
+              f"{r['GSPMD']['rows'] // max(1, r['gshard']['rows'])}x" for r in fori)
+          + " gshard's rows; its step takes " + ", ".join(
+              f"{r['GSPMD']['step_ms'] / r['gshard']['step_ms']:.2f}x" for r in fori)
+          + " gshard's")
+
+
 def write_doc(rows, runs: int, load) -> None:
+  scans = [r for r in rows if r["form"] == "scan"]
   dp = [r for r in rows if r["gshard"]["rows"] == B // r["count"] // N]
   lo = min(r["gshard"]["bytes"] / r["minimum"] for r in rows)
   hi = max(r["gshard"]["bytes"] / r["minimum"] for r in rows)
@@ -175,10 +203,12 @@ def write_doc(rows, runs: int, load) -> None:
       "Generated by `benchmarks/accumulate.py`; rerun it rather than editing the "
       "measured sections.", "",
       f"An MLP SGD step (B={B}, D={D}, H={H}, f32) with its gradient accumulated over "
-      "K micro-batches as MaxText writes it (the batch reshaped to [K, B/K, D], a "
-      "`lax.scan` adding the gradients), the batch split over `data` = 8 simulated "
-      "CPU devices, the weights replicated, nothing else annotated. Both systems get "
-      "the same function and `in_specs`.", "",
+      "K micro-batches in two forms: `scan`, as MaxText writes it (the batch reshaped "
+      "to [K, B/K, D], a `lax.scan` adding the gradients), and `fori`, a "
+      "`lax.fori_loop` reading micro-batch i as `lax.dynamic_slice_in_dim(x, i * B/K, "
+      "B/K)`. The batch is split over `data` = 8 simulated CPU devices, the weights "
+      "replicated, nothing else annotated. Both systems get the same function and "
+      "`in_specs`.", "",
       f"- Measured: {datetime.date.today().isoformat()}, commit {_commit()}",
       f"- Machine: {os.cpu_count()} CPU cores, 8 simulated CPU devices, jax "
       f"{jax.__version__}. Load average (1 min) {load[0]:.1f} at the start, "
@@ -195,27 +225,31 @@ def write_doc(rows, runs: int, load) -> None:
       "simulated devices sharing the host's cores it says little about a real mesh.",
       "", *table(rows), "",
       "Largest difference between the two systems' new weights: "
-      + ", ".join(f"K={r['count']} {r['diff']:.1e}" for r in rows) + ".", "",
+      + ", ".join(f"{r['form']} K={r['count']} {r['diff']:.1e}" for r in rows) + ".", "",
       "## Reading", "",
-      f"- gshard computes each micro-batch data parallel for every K "
-      f"({len(dp)} of {len(rows)}), and sends {vs_min}.",
-      "- Fewer micro-batches than devices (K=2, 4): the reshape moves each device's "
+      f"- gshard computes each micro-batch data parallel for every K and both forms "
+      f"({len(dp)} of {len(rows)} rows of the table), and sends {vs_min}.",
+      "- The `fori` form is read as the `scan` form: gshard rewrites a loop that "
+      "slices micro-batch i at i * B/K from a loop constant into a scan over the "
+      "reshaped batch (docs/design.md, \"Micro-batches keep their split\"), and "
+      "sends the same bytes. GSPMD " + _fori_gspmd(rows) + ".",
+      "- `scan`, fewer micro-batches than devices (K=2, 4): the reshape moves each device's "
       "rows to where the micro-batches split over `data` want them (K ppermutes), "
       "and the gradient's sum stays pending round the loop: one all-reduce after "
       "it. GSPMD splits each micro-batch over 8/K devices only: it all-gathers "
       "within groups, computes K times the rows, and all-reduces the gradient "
       "inside the loop, once per micro-batch.",
-      "- At least as many (K=8..32): the reshape is free (the micro-batch dim "
+      "- `scan`, at least as many (K=8..32): the reshape is free (the micro-batch dim "
       "takes `data`); the scan moves the split to the rows with one all-to-all "
       "instead of gathering the micro-batches. GSPMD gathers them and every "
       "device computes every row: it sends fewer bytes than the gradient's "
       "all-reduce (" + ", ".join(
           f"K={r['count']} {r['GSPMD']['bytes'] / r['gshard']['bytes']:.2f}x gshard's"
-          for r in rows if r["count"] >= N) + ") for "
-      + ", ".join(f"{r['GSPMD']['rows'] // max(1, r['gshard']['rows'])}x" for r in rows
+          for r in scans if r["count"] >= N) + ") for "
+      + ", ".join(f"{r['GSPMD']['rows'] // max(1, r['gshard']['rows'])}x" for r in scans
                   if r["count"] >= N)
       + " the rows, and its step takes " + ", ".join(
-          f"{r['GSPMD']['step_ms'] / r['gshard']['step_ms']:.2f}x" for r in rows
+          f"{r['GSPMD']['step_ms'] / r['gshard']['step_ms']:.2f}x" for r in scans
           if r["count"] >= N) + " gshard's. This is the one place gshard spends "
       "bytes to save compute: it keeps the data parallelism the in_specs ask for "
       "(docs/design.md, \"Micro-batches keep their split\").",
@@ -233,13 +267,13 @@ def main() -> None:
   assert jax.device_count() == N, jax.devices()
   load0 = os.getloadavg()[0]
   rows = []
-  for count in COUNTS:
-    rows.append(measure(count, args.runs))
-    r = rows[-1]
-    print(f"K={count}: gshard {r['gshard']['bytes']:.0f} B, rows {r['gshard']['rows']}, "
-          f"{r['gshard']['step_ms']:.2f} ms; GSPMD {r['GSPMD']['bytes']:.0f} B, rows "
-          f"{r['GSPMD']['rows']}, {r['GSPMD']['step_ms']:.2f} ms; min {r['minimum']:.0f}",
-          flush=True)
+  for form in FORMS:
+    for count in COUNTS:
+      rows.append(measure(count, args.runs, form))
+      r, g, x = rows[-1], rows[-1]["gshard"], rows[-1]["GSPMD"]
+      print(f"{form} K={count}: gshard {g['bytes']:.0f} B, rows {g['rows']}, "
+            f"{g['step_ms']:.2f} ms; GSPMD {x['bytes']:.0f} B, rows {x['rows']}, "
+            f"{x['step_ms']:.2f} ms; min {r['minimum']:.0f}", flush=True)
   print("\n".join(table(rows)))
   if not args.no_doc:
     write_doc(rows, args.runs, (load0, os.getloadavg()[0]))
