@@ -28,7 +28,7 @@ from gshard.spmd.graph import Graph, source_of
 from gshard.spmd.propagate import Conflict, conflicts, propagate
 from gshard.spmd.sharding import (TensorSharding, check_spec_entries, mesh_scope,
                                   mesh_sizes_of, mesh_str, open_dims_of_spec, short_dtype)
-from gshard.spmd.sliced_loops import slices_as_xs
+from gshard.spmd.micro_batches import reshaped_reads
 from gshard.spmd.tracing import live_only, non_array_error, trace
 
 # Frames inside gshard are not the user's source line.
@@ -409,7 +409,7 @@ def analyze(fn: Callable, mesh_sizes, args: Sequence[Any], in_specs=None,
   leaves, paths, specs = flatten_specs(in_specs, tuple(args), mesh_sizes=mesh_sizes)
   with mesh_context(mesh_sizes):
     closed, out_shape = trace(fn, args)
-  closed = live_only(slices_as_xs(closed))
+  closed = live_only(reshaped_reads(closed))
   timings["trace"] = time.perf_counter() - t0
   t1 = time.perf_counter()
   jaxpr = closed.jaxpr

@@ -21,6 +21,12 @@ micro-batches (a scan whose every carry is a sum, its ``xs`` cut from a batch
 by a reshape) gives each step's slice the split on its rows instead, and
 moves it there with one all-to-all (:func:`propose_scans`).
 
+A Python loop over the micro-batches (``xs[k]`` for each ``k``: a slice of
+one micro-batch each; ``micro_batches.py`` turns ``x[k*M:(k+1)*M]`` into
+that) is such a loop too: the reshape moves the rows, or, where ``K`` is a
+multiple of ``n``, each slice takes the split on its rows (one all-to-all
+of ``xs``, shared by the slices).
+
 Both are hints propagation gives after its first phase; the second phase
 carries them on. The reshape's only where such a loop reads its
 micro-batches (:func:`propose`): a reshape of features (``[3D] -> [3, H,
@@ -154,12 +160,32 @@ def _scan_strips(graph, touching, t, xs: bool) -> bool:
   return False
 
 
+def _one_micro_batch(b, t) -> bool:
+  """Whether ``b`` is a ``slice`` of one micro-batch of ``t`` (``t[k:k+1]``,
+  its other dims whole): a Python loop's read of micro-batch ``k``."""
+  if (b.eqn is None or b.eqn.primitive.name != "slice" or len(b.operands) != 1
+      or b.operands[0] is not t or not b.results or b.results[0] is None):
+    return False
+  r = b.results[0]
+  return r.shape[:1] == (1,) and tuple(r.shape[1:]) == tuple(t.shape[1:])
+
+
+def _read_per_micro_batch(graph, touching, t) -> bool:
+  """Whether every reader of ``t`` (its maker aside) takes one micro-batch
+  (:func:`_one_micro_batch`), and one does: the micro-batches of an unrolled
+  loop (``for k in range(K): ... xs[k]``)."""
+  readers = [graph.bounds[k] for k in touching.get(id(t), ())
+             if not any(r is t for r in graph.bounds[k].results)]
+  return bool(readers) and all(_one_micro_batch(b, t) for b in readers)
+
+
 def propose(graph, touching) -> set[int]:
   """Give the operand's split to each reshape result that came out unsplit
   where a move would split it (after propagation's first phase), where the
-  micro-batches are a scan's: the result is the ``xs`` of a scan over the
-  micro-batch dim (a split), or the operand its ``ys`` (a merge: the
-  transposed reshape of a backward pass). The constraints touching a changed
+  micro-batches are a loop's: the result is the ``xs`` of a scan over the
+  micro-batch dim, or read only by slices of one micro-batch (a split), or
+  the operand a scan's ``ys`` (a merge: the transposed reshape of a backward
+  pass). The constraints touching a changed
   result. (Elsewhere the partitioner moves rows only where something pins
   the result so.)"""
   mesh = graph.mesh_sizes
@@ -173,7 +199,8 @@ def propose(graph, touching) -> set[int]:
     move = None if is_key(op.dtype) else find(b.rule, b.eqn, op.sharding.dims, mesh)
     if move is None or move.before != (0,) or move.rows != 1 or not (
         _scan_strips(graph, touching, op, False) if move.merge
-        else _scan_strips(graph, touching, res, True)):
+        else _scan_strips(graph, touching, res, True)
+        or _read_per_micro_batch(graph, touching, res)):
       continue
     dims = _moved_layout(move, res)
     if dims is not None:
@@ -224,24 +251,31 @@ def propose_scans(graph, touching) -> set[int]:
   they have; where it divides them evenly), so every device computes its
   rows of every step and the sum stays pending round the loop, one psum
   after it; the scan moves the split (one all-to-all) instead of gathering
-  ``xs``. The constraints touching a changed slice."""
+  ``xs``. Likewise a slice of one micro-batch (``xs[k]``, ``[1, M, ...]``)
+  where every reader of ``xs`` is one: it takes the split on its rows. The
+  constraints touching a changed slice."""
   mesh = graph.mesh_sizes
   out: set[int] = set()
   for b in graph.bounds:
     pair = _strip(b, xs=True)
-    if pair is None or not pair[1].shape:
+    if pair is not None and pair[1].shape and _accumulates(b.eqn):
+      (outer, inner), d = pair, 0          # the slice lost the micro-batch dim
+    elif b.operands and _one_micro_batch(b, b.operands[0]) and \
+        _read_per_micro_batch(graph, touching, b.operands[0]):
+      outer, inner, d = b.operands[0], b.results[0], 1    # [1, M, ...]
+    else:
       continue
-    outer, inner = pair
     axes = outer.sharding.dims[0]
-    if (not axes or set(axes) & set(inner.sharding.axes) or not _accumulates(b.eqn)
+    if (not axes or set(axes) & set(inner.sharding.axes) or len(outer.shape) < 2
         or not _cut_from_a_batch(graph, touching, outer)):
       continue
-    rows = inner.sharding.dims[0]
+    rows = inner.sharding.dims[d]
     n = math.prod(mesh[a] for a in rows + tuple(axes))
-    if rows != outer.sharding.dims[1] or 0 in inner.fixed or inner.shape[0] % n:
+    if rows != outer.sharding.dims[1] or d in inner.fixed or inner.shape[d] % n:
       continue
-    inner.sharding = TensorSharding((rows + tuple(axes),) + inner.sharding.dims[1:],
-                                    inner.sharding.partial)
+    dims = list(inner.sharding.dims)
+    dims[d] = rows + tuple(axes)
+    inner.sharding = TensorSharding(tuple(dims), inner.sharding.partial)
     out.update(touching.get(id(inner), ()))
   return out
 

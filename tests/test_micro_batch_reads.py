@@ -1,13 +1,15 @@
-"""A ``fori_loop`` over micro-batches read by dynamic slices keeps data parallelism.
+"""Loops over micro-batches read by slices keep data parallelism.
 
-``lax.fori_loop(0, K, body, g)`` whose body reads micro-batch ``i`` of a batch
-split over ``data`` as ``dynamic_slice(x, i * M, M)`` is rewritten before
-propagation into the scan form (``xs = x.reshape(K, M, ...)``,
-``spmd/sliced_loops.py``), whose micro-batches keep the batch's split. Before,
-each step's slice was a masked read and a psum of the micro-batch (twice the
-bytes GSPMD sends by gathering ``x``), and every device computed every row.
-Values are small integers (every order of the sums exact), so the partitioned
-program is compared with ``jax.jit`` bit for bit.
+A ``lax.fori_loop(0, K, body, g)`` whose body reads micro-batch ``i`` of a
+batch split over ``data`` as ``dynamic_slice(x, i * M, M)``, and a Python loop
+over ``x[k*M:(k+1)*M]`` (or ``x.reshape(K, M, ...)[k]``), are read as the
+reshaped batch before propagation (``spmd/micro_batches.py``), whose
+micro-batches keep the batch's split (``spmd/relayout.py``). Before, each
+fori step's slice was a masked read and a psum of the micro-batch (twice the
+bytes GSPMD sends by gathering ``x``), the Python loop gathered ``x``, and
+every device computed every row. Values are small integers (every order of
+the sums exact), so the partitioned program is compared with ``jax.jit`` bit
+for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jax.extend.core import check_jaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 import gshard
-from gshard.spmd.sliced_loops import slices_as_xs
+from gshard.spmd.micro_batches import reshaped_reads
 from helpers_partition import mesh
 
 MESHES = [((8,), ("x",)), ((2, 4), ("x", "y")), ((4, 2), ("x", "y"))]
@@ -134,7 +136,7 @@ def test_the_rewrite_is_the_scan_form():
   rng = np.random.default_rng(1)
   w, x, y = _ints(rng, (8, 8)), _ints(rng, (32, 8)), _ints(rng, (32, 8))
   closed = jax.make_jaxpr(_accumulate(4))(w, x, y)
-  new = slices_as_xs(closed)
+  new = reshaped_reads(closed)
   check_jaxpr(new.jaxpr)
   scan = [e for e in new.jaxpr.eqns if e.primitive.name == "scan"][0]
   assert scan.params["num_carry"] == 1, scan        # the counter gone
@@ -179,7 +181,7 @@ def test_other_loops_are_left_as_they_are():
   m = mesh((8,), ("data",))
   for name, (f, args) in _loops().items():
     closed = jax.make_jaxpr(f)(*args)
-    assert slices_as_xs(closed) is closed, name
+    assert reshaped_reads(closed) is closed, name
     part = gshard.partition(f, m, in_specs=(P(), P("data")))
     _check_equal(part(*args), jax.jit(f)(*args))
 
@@ -195,7 +197,7 @@ def test_a_counter_read_in_the_body_stays():
       return g + (i + 1) * (lax.dynamic_slice_in_dim(x, i * 8, 8) @ w)
     return lax.fori_loop(0, 4, body, jnp.zeros((8, 8)))
   closed = jax.make_jaxpr(f)(w, x)
-  new = slices_as_xs(closed)
+  new = reshaped_reads(closed)
   check_jaxpr(new.jaxpr)
   scan = [e for e in new.jaxpr.eqns if e.primitive.name == "scan"][0]
   assert scan.params["num_carry"] == 2 and scan.invars[-1].aval.shape == (4, 8, 8), scan
@@ -222,3 +224,130 @@ def test_inside_jit_and_differentiated():
     return jax.grad(loss)(x)
   part = gshard.partition(dx, m, in_specs=(P(), P("data")))
   _check_equal(part(w, x), jax.jit(dx)(w, x))
+
+
+def _unrolled(count: int, form: str):
+  """The same step as a Python loop: ``x[k*M:(k+1)*M]`` (``slices``) or
+  ``x.reshape(K, M, ...)[k]`` (``index``)."""
+  def step(w, x, y):
+    rows = x.shape[0] // count
+    g = jnp.zeros_like(w)
+    if form == "index":
+      xs, ys = x.reshape(count, rows, -1), y.reshape(count, rows, -1)
+    for k in range(count):
+      if form == "index":
+        xx, yy = xs[k], ys[k]
+      else:
+        xx, yy = x[k * rows:(k + 1) * rows], y[k * rows:(k + 1) * rows]
+      g = g + jax.grad(lambda w: jnp.sum((xx @ w) * yy))(w)
+    return w - 0.5 * g
+  return step
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
+  """A Python loop over the micro-batches, by static slices or by indexing
+  the reshaped batch; random meshes, batch axes, K from 2 to past the
+  device count, rows per device, NaNs or not: bit for bit ``jax.jit``'s
+  values; nothing gathered, every dot reads this device's rows of its
+  micro-batch (``B / K / n``)."""
+  shape, names = data.draw(st.sampled_from(MESHES), label="mesh")
+  sizes = dict(zip(names, shape))
+  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
+  n = math.prod(sizes[a] for a in axes)
+  count = data.draw(st.integers(2, n + 2), label="K")
+  rows = n * data.draw(st.integers(1, 2), label="rows per device")
+  form = data.draw(st.sampled_from(["slices", "index"]), label="form")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+  w = _ints(rng, (8, 8))
+  x, y = _ints(rng, (count * rows, 8)), _ints(rng, (count * rows, 8))
+  if data.draw(st.booleans(), label="NaN"):
+    y[rng.integers(0, count * rows), rng.integers(0, 8)] = np.nan
+  spec = P(axes[0] if len(axes) == 1 else axes)
+  step = _unrolled(count, form)
+  part = gshard.partition(step, mesh(shape, names), in_specs=(P(), spec, spec))
+  low = part.lower(w, x, y)
+  _check_equal(part(w, x, y), jax.jit(step)(w, x, y))
+  assert {c.kind for c in low.collectives()} <= {"ppermute", "all_to_all", "psum"}, \
+      low.explain()
+  dots = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "dot_general"]
+  assert len(dots) >= count and all(
+      e.invars[0].aval.shape[0] == rows // n for e in dots), low.explain()
+
+
+def test_slices_that_do_not_tile_the_batch_are_left_as_they_are():
+  """Halves of different sizes, a missing micro-batch, a strided slice, a
+  slice of a trailing dim, one slice alone: no reshape; the values are
+  ``jax.jit``'s."""
+  rng = np.random.default_rng(5)
+  x = _ints(rng, (32, 8))
+  cases = {
+      "uneven": lambda x: x[:8].sum(0) + x[8:].sum(0),
+      "missing": lambda x: x[:8].sum(0) + x[16:24].sum(0) + x[24:].sum(0),
+      "strided": lambda x: x[0:16:2].sum(0) + x[16:32:2].sum(0),
+      "trailing": lambda x: x[:, :4].sum(0) + x[:, 4:].sum(0),
+      "alone": lambda x: x[:16].sum(0),
+  }
+  m = mesh((8,), ("data",))
+  for name, f in cases.items():
+    closed = jax.make_jaxpr(f)(x)
+    assert reshaped_reads(closed) is closed, name
+    part = gshard.partition(f, m, in_specs=(P("data"),))
+    _check_equal(part(x), jax.jit(f)(x))
+
+
+def _rows(n: int):
+  """Row ``r`` holds ``r``: a wrong row shows in the sum."""
+  return np.tile(np.arange(n, dtype=np.float32)[:, None], (1, 4))
+
+
+def _narrow(dtype, rows: int, count: int):
+  def f(x):     # start dtype(i) * dtype(rows): wraps at i*rows > max
+    return lax.fori_loop(0, count, lambda i, g: g + jnp.sum(lax.dynamic_slice_in_dim(
+        x, i.astype(dtype) * np.asarray(rows, dtype), rows), 0), jnp.zeros(4))
+  return f
+
+
+def _byte_counter(x):       # a hand-written scan with an int8 counter (wraps at 128)
+  def body(c, _):
+    i, acc = c
+    return (i + np.int8(1), acc + jnp.sum(lax.dynamic_slice_in_dim(x, i * np.int8(1), 1), 0)), None
+  return lax.scan(body, (np.int8(0), jnp.zeros(4)), None, length=200)[0][1]
+
+
+def _float_step(x):         # start floor(i * 2.5): rows 0, 2, 5, 6 (not 0, 2, 4, 6)
+  return lax.fori_loop(0, 4, lambda i, g: g + jnp.sum(lax.dynamic_slice_in_dim(
+      x, (i * 2.5).astype(jnp.int32), 2), 0), jnp.zeros(4))
+
+
+def _counter_as_ys(plus: int):
+  def f(x):                 # the counter (or the next one) is also each step's ys
+    def body(c, _):
+      i, acc = c
+      return (i + 1, acc + jnp.sum(lax.dynamic_slice_in_dim(x, i * 8, 8), 0)), i + plus
+    (_, acc), ys = lax.scan(body, (0, jnp.zeros(4)), None, length=4)
+    return acc, ys
+  return f
+
+
+def _with_callback(x):      # an equation without results in the body
+  def body(i, g):
+    jax.debug.callback(lambda v: None, i)
+    return g + jnp.sum(lax.dynamic_slice_in_dim(x, i * 8, 8), 0)
+  return lax.fori_loop(0, 4, body, jnp.zeros(4))
+
+
+def test_starts_that_wrap_or_round_and_other_bodies():
+  """A second reader's cases: a start computed in int8 / uint8 (it wraps), an
+  int8 counter over 200 steps, a float step (``i * 2.5`` truncated), each
+  step's ``ys`` the counter or the next one, a callback in the body. Wrong
+  values or a crash before; now each equals ``jax.jit``."""
+  m = mesh((8,), ("data",))
+  cases = [(_narrow(jnp.int8, 64, 3), 192), (_narrow(jnp.uint8, 128, 3), 384),
+           (_byte_counter, 200), (_float_step, 8), (_counter_as_ys(0), 32),
+           (_counter_as_ys(1), 32), (_with_callback, 32)]
+  for f, n in cases:
+    x = _rows(n)
+    part = gshard.partition(f, m, in_specs=(P("data"),))
+    _check_equal(part(x), jax.jit(f)(x))

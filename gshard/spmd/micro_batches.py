@@ -1,0 +1,298 @@
+"""Loops over micro-batches read them from the batch reshaped to ``[K, M, ...]``.
+
+Gradient accumulation reads micro-batch ``k`` of a batch ``x`` of ``K*M`` rows
+in three common ways: ``xs = x.reshape(K, M, ...)`` scanned over (MaxText's
+form), a ``fori_loop`` reading ``lax.dynamic_slice_in_dim(x, i * M, M)``, and
+a Python loop over ``x[k*M:(k+1)*M]``. The first keeps the batch's split
+over ``data`` on the micro-batch rows (``relayout.py``): each device computes
+its rows of every micro-batch, and the gradient sum stays pending. The other
+two are rewritten into reads of the reshaped batch before propagation, so
+they get the same layout:
+
+- **A fori_loop.** With static bounds jax traces it as a ``scan`` of ``K``
+  steps carrying the counter, ``x`` a loop constant read by a
+  ``dynamic_slice`` at ``i * M``. Split over ``data``, each step's slice was
+  a masked read and a psum of the micro-batch (twice the bytes of gathering
+  ``x`` once), and every device computed every row. It becomes a scan over
+  ``xs = x.reshape(K, M, ...)`` (:func:`_as_xs`). It applies only to that
+  form: a scan that is not reversed, whose carries are one counter (from a
+  literal 0, plus 1 a step, read by nothing after the loop) and sums
+  (``rules.control.accumulators``), reading a loop constant's leading dim of
+  ``K*M`` rows at ``counter * M`` (jax's wrap of a negative start around
+  it), ``M`` rows, its other dims whole. The counter goes where nothing else
+  reads it; a constant something else reads stays a constant too.
+- **Static slices.** ``x[k*M:(k+1)*M]`` for every ``k`` of ``K >= 2`` (the
+  slices tile the leading dim; their other dims whole) become
+  ``x.reshape(K, M, ...)[k]`` (:func:`_tilings`). A split over ``data`` was
+  gathered before, and every device computed every row.
+
+Step ``t`` (slice ``k``) reads the same rows either way, and no start is
+clamped, so the values are the same. Programs inside ``jax.jit`` and loops
+are rewritten as well.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, DropVar, Literal, Var
+
+from gshard.spmd.rules.control import accumulators
+
+
+def reshaped_reads(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """``closed`` with each loop over micro-batches reading them from the
+  reshaped batch (see the module); ``closed`` itself where there is none."""
+  jaxpr = _rewrite(closed.jaxpr)
+  return closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts)
+
+
+def _rewrite(jaxpr):
+  read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
+  read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+  tiled, reshaped = _tilings(jaxpr), {}
+  eqns, changed = [], False
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "slice" and eqn.invars[0] in tiled:
+      x = eqn.invars[0]
+      rows = tiled[x]
+      if x not in reshaped:
+        reshaped[x] = Var(x.aval.update(shape=(x.aval.shape[0] // rows, rows)
+                                        + tuple(x.aval.shape[1:])))
+        eqns.append(_reshape(x, reshaped[x], eqn))
+      eqns.extend(_index(reshaped[x], eqn.params["start_indices"][0] // rows, eqn))
+      changed = True
+      continue
+    new = _inner(eqn)
+    if new.primitive.name == "scan":
+      new = _as_xs(new, eqns, read)
+    changed |= new is not eqn
+    eqns.append(new)
+  return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+
+def _reshapeable(x) -> bool:
+  """A variable of an array dtype (not a PRNG key's) with a leading dim."""
+  return (not isinstance(x, Literal) and bool(getattr(x.aval, "shape", ()))
+          and not jax.dtypes.issubdtype(x.aval.dtype, jax.dtypes.extended))
+
+
+def _tilings(jaxpr) -> dict:
+  """Variable -> ``M``, where its ``slice`` readers of ``M >= 2`` rows tile
+  its leading dim (every ``[k*M, (k+1)*M)`` read, ``K >= 2``, the other dims
+  whole, no strides). Slices of one row (``xs[k]``) already read the
+  micro-batches of a reshaped batch."""
+  readers: dict = {}
+  for e in jaxpr.eqns:
+    x = e.invars[0] if e.primitive.name == "slice" else None
+    if x is None or not _reshapeable(x):
+      continue
+    start, limit, strides = (e.params["start_indices"], e.params["limit_indices"],
+                             e.params["strides"])
+    if (not any(start[1:]) and tuple(limit[1:]) == tuple(x.aval.shape[1:])
+        and (strides is None or all(s == 1 for s in strides))):
+      readers.setdefault(x, []).append((start[0], limit[0] - start[0]))
+  out = {}
+  for x, pieces in readers.items():
+    rows, n = pieces[0][1], x.aval.shape[0]
+    if (rows >= 2 and n % rows == 0 and n // rows >= 2 and all(m == rows for _, m in pieces)
+        and {s for s, _ in pieces} == set(range(0, n, rows))):
+      out[x] = rows
+  return out
+
+
+def _index(xs, k: int, like) -> list:
+  """``like``'s result as ``xs[k]``: a slice of one micro-batch, then a squeeze."""
+  shape = tuple(xs.aval.shape)
+  one = Var(xs.aval.update(shape=(1,) + shape[1:]))
+  cut = like.replace(invars=[xs], outvars=[one], params=dict(
+      like.params, start_indices=(k,) + (0,) * (len(shape) - 1),
+      limit_indices=(k + 1,) + shape[1:], strides=None))
+  probe = jax.make_jaxpr(lambda a: jax.lax.squeeze(a, (0,)))(
+      jax.ShapeDtypeStruct(one.aval.shape, one.aval.dtype)).jaxpr.eqns[0]
+  return [cut, probe.replace(invars=[one], outvars=list(like.outvars),
+                             source_info=like.source_info, ctx=like.ctx)]
+
+
+def _inner(eqn):
+  """``eqn`` with its inner programs (``jax.jit``'s, a loop's body) rewritten."""
+  params = {}
+  for k, v in eqn.params.items():
+    if isinstance(v, ClosedJaxpr):
+      new = reshaped_reads(v)
+      if new is not v:
+        params[k] = new
+  return eqn.replace(params={**eqn.params, **params}) if params else eqn
+
+
+def _counter(eqn, read) -> int | None:
+  """The carry (index among the carries) that counts the steps from 0, read by
+  nothing after the loop (not in ``read``); None if none."""
+  p = eqn.params
+  body, nc = p["jaxpr"].jaxpr, p["num_consts"]
+  for c in range(p["num_carry"]):
+    init, vin, vout = eqn.invars[nc + c], body.invars[nc + c], body.outvars[c]
+    if not (isinstance(init, Literal) and np.ndim(init.val) == 0
+            and np.issubdtype(np.asarray(init.val).dtype, np.integer) and int(init.val) == 0
+            and eqn.outvars[c] not in read):
+      continue
+    step = _producer(body).get(vout)
+    if (step is not None and step.primitive.name == "add" and vin in step.invars
+        and any(_literal(v, 1) for v in step.invars)):
+      return c
+  return None
+
+
+def _literal(v, value: int) -> bool:
+  """Whether ``v`` is the integer literal ``value`` (a float one is not)."""
+  return (isinstance(v, Literal) and np.ndim(v.val) == 0
+          and np.issubdtype(np.asarray(v.val).dtype, np.integer) and int(v.val) == value)
+
+
+def _exact(v, n: int) -> bool:
+  """Whether ``v`` is an integer holding every value up to ``n`` (none wraps)."""
+  dtype = getattr(v.aval, "dtype", None)
+  return (dtype is not None and np.issubdtype(dtype, np.integer)
+          and np.iinfo(dtype).max >= n)
+
+
+def _producer(jaxpr) -> dict:
+  return {v: e for e in jaxpr.eqns for v in e.outvars}
+
+
+def _follow(v, producer, n: int):
+  """``v`` through dtype conversions, every value on the way an integer
+  holding ``0 .. n`` (:func:`_exact`); None where one could wrap or round."""
+  while True:
+    if isinstance(v, Literal) or not _exact(v, n):
+      return None
+    e = producer.get(v)
+    if e is None or e.primitive.name != "convert_element_type":
+      return v
+    v = e.invars[0]
+
+
+def _start_of(v, producer, counter, rows: int, n: int) -> bool:
+  """Whether start index ``v`` is ``counter * rows``, in integers that hold
+  every start up to ``n`` (under jax's wrap of a negative start:
+  ``select_n(s < 0, s, s + n)``, whose second branch a count from 0 never
+  takes)."""
+  v = _follow(v, producer, n)
+  e = producer.get(v) if v is not None else None
+  if e is not None and e.primitive.name == "select_n" and len(e.invars) == 3:
+    test = producer.get(e.invars[0])
+    s = _follow(e.invars[1], producer, n)
+    if (s is None or test is None or test.primitive.name != "lt"
+        or _follow(test.invars[0], producer, n) is not s or not _literal(test.invars[1], 0)):
+      return False
+    v, e = s, producer.get(s)
+  if e is None or e.primitive.name != "mul":
+    return False
+  a, b = e.invars
+  if isinstance(a, Literal):
+    a, b = b, a
+  return _literal(b, rows) and _follow(a, producer, n) is counter
+
+
+def _slices(eqn, counter: int) -> dict:
+  """Body const index -> ``(rows, [dynamic_slice eqns])``: the constants read
+  as micro-batches of ``rows`` rows by the counter."""
+  p = eqn.params
+  body, nc, K = p["jaxpr"].jaxpr, p["num_consts"], p["length"]
+  producer = _producer(body)
+  cvar = body.invars[nc + counter]
+  consts = {v: i for i, v in enumerate(body.invars[:nc])}
+  found: dict = {}
+  for e in body.eqns:
+    if (e.primitive.name != "dynamic_slice" or e.invars[0] not in consts
+        or not _reshapeable(e.invars[0])):
+      continue
+    shape, sizes = e.invars[0].aval.shape, e.params["slice_sizes"]
+    rows = sizes[0] if shape else 0
+    if (not shape or rows * K != shape[0] or tuple(sizes[1:]) != tuple(shape[1:])
+        or not all(_literal(s, 0) for s in e.invars[2:])
+        or not _start_of(e.invars[1], producer, cvar, rows, shape[0])):
+      continue
+    i = consts[e.invars[0]]
+    if found.get(i, (rows,))[0] == rows:
+      found.setdefault(i, (rows, []))[1].append(e)
+  return found
+
+
+def _as_xs(eqn, outer: list, read):
+  """The scan ``eqn`` with its micro-batch slices read as ``xs`` (a reshape
+  of each constant appended to ``outer``), its counter dropped where nothing
+  else reads it; ``eqn`` itself where it is no such loop."""
+  p = eqn.params
+  if p["reverse"] or p["num_carry"] < 2:
+    return eqn
+  counter = _counter(eqn, read)
+  if counter is None:
+    return eqn
+  nc, ncar, K = p["num_consts"], p["num_carry"], p["length"]
+  body = p["jaxpr"].jaxpr
+  if accumulators(body, nc, ncar) != frozenset(range(ncar)) - {counter}:
+    return eqn
+  found = _slices(eqn, counter)
+  if not found:
+    return eqn
+  subst, new_in, new_outer, gone = {}, [], [], set()
+  for i, (rows, reads) in sorted(found.items()):
+    x = eqn.invars[i]
+    shape = tuple(x.aval.shape)
+    xs_var = Var(x.aval.update(shape=(K, rows) + shape[1:]))
+    new_outer.append(_reshape(x, xs_var, reads[0]))
+    step = Var(reads[0].outvars[0].aval)
+    new_in.append((xs_var, step))
+    for e in reads:
+      subst[e.outvars[0]] = step
+      gone.add(id(e))
+  eqns = [e.replace(invars=[subst.get(v, v) if not isinstance(v, Literal) else v
+                            for v in e.invars])
+          for e in body.eqns if id(e) not in gone]
+  outvars = [subst.get(v, v) if not isinstance(v, Literal) else v for v in body.outvars]
+  invars = list(body.invars) + [s for _, s in new_in]
+  # the constants and the counter nothing reads any more
+  eqns, dead_consts, drop_counter = _prune(eqns, outvars, invars, nc, counter)
+  keep_in = [k for k in range(len(invars))
+             if k not in dead_consts and not (drop_counter and k == nc + counter)]
+  keep_out = [k for k in range(len(outvars)) if not (drop_counter and k == counter)]
+  new_body = body.replace(invars=[invars[k] for k in keep_in], eqns=eqns,
+                          outvars=[outvars[k] for k in keep_out])
+  operands = list(eqn.invars) + [x for x, _ in new_in]
+  params = dict(p, jaxpr=ClosedJaxpr(new_body, p["jaxpr"].consts),
+                num_consts=nc - len(dead_consts), num_carry=ncar - int(drop_counter))
+  if "linear" in p:        # older jax
+    linear = tuple(p["linear"]) + (False,) * len(new_in)
+    params["linear"] = tuple(linear[k] for k in keep_in)
+  outer.extend(new_outer)
+  return eqn.replace(invars=[operands[k] for k in keep_in],
+                     outvars=[eqn.outvars[k] for k in keep_out], params=params)
+
+
+def _prune(eqns, outvars, invars, nc: int, counter: int):
+  """The body's equations without those nothing reads (none has effects), the
+  constants nothing reads, and whether the counter only counts."""
+  live = {v for v in outvars if not isinstance(v, Literal)}
+  kept = []
+  for e in reversed(eqns):
+    if e.effects or any(v in live for v in e.outvars if not isinstance(v, DropVar)):
+      kept.append(e)
+      live.update(v for v in e.invars if not isinstance(v, Literal))
+  kept.reverse()
+  dead = {k for k in range(nc) if invars[k] not in live}
+  cvar, cout = invars[nc + counter], outvars[counter]
+  readers = [e for e in kept if cvar in e.invars]
+  only_counts = (len(readers) == 1 and cout in readers[0].outvars
+                 and not any(cout in e.invars for e in kept)
+                 and cvar not in outvars and outvars.count(cout) == 1)
+  if only_counts:
+    kept = [e for e in kept if e is not readers[0]]
+  return kept, dead, only_counts
+
+
+def _reshape(x, out, like):
+  """``out = x.reshape(out.shape)``, as jax traces it, at ``like``'s source line."""
+  probe = jax.make_jaxpr(lambda a: a.reshape(out.aval.shape))(
+      jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype)).jaxpr.eqns[0]
+  return probe.replace(invars=[x], outvars=[out], source_info=like.source_info, ctx=like.ctx)
