@@ -226,21 +226,28 @@ def test_inside_jit_and_differentiated():
   _check_equal(part(w, x), jax.jit(dx)(w, x))
 
 
-def _unrolled(count: int, form: str):
+def _unrolled(count: int, form: str, wrt_x: bool = False):
   """The same step as a Python loop: ``x[k*M:(k+1)*M]`` (``slices``) or
-  ``x.reshape(K, M, ...)[k]`` (``index``)."""
-  def step(w, x, y):
+  ``x.reshape(K, M, ...)[k]`` (``index``); ``wrt_x``: the gradient with
+  respect to ``x`` too (jax transposes each read into a pad, and sums them)."""
+  def total(w, x, y):
     rows = x.shape[0] // count
-    g = jnp.zeros_like(w)
     if form == "index":
       xs, ys = x.reshape(count, rows, -1), y.reshape(count, rows, -1)
+    out = jnp.zeros(())
     for k in range(count):
       if form == "index":
         xx, yy = xs[k], ys[k]
       else:
         xx, yy = x[k * rows:(k + 1) * rows], y[k * rows:(k + 1) * rows]
-      g = g + jax.grad(lambda w: jnp.sum((xx @ w) * yy))(w)
-    return w - 0.5 * g
+      out = out + jnp.sum((xx @ w) * yy)
+    return out
+
+  def step(w, x, y):
+    if wrt_x:
+      g, dx = jax.grad(total, argnums=(0, 1))(w, x, y)
+      return w - 0.5 * g, dx
+    return w - 0.5 * jax.grad(total)(w, x, y)
   return step
 
 
@@ -248,10 +255,11 @@ def _unrolled(count: int, form: str):
 @given(data=st.data())
 def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
   """A Python loop over the micro-batches, by static slices or by indexing
-  the reshaped batch; random meshes, batch axes, K from 2 to past the
-  device count, rows per device, NaNs or not: bit for bit ``jax.jit``'s
-  values; nothing gathered, every dot reads this device's rows of its
-  micro-batch (``B / K / n``)."""
+  the reshaped batch, the gradient of ``x`` too or not; random meshes,
+  batch axes, K from 2 to past the device count, rows per device, NaNs or
+  not: bit for bit ``jax.jit``'s values; nothing gathered, every dot reads
+  this device's rows of its micro-batch (``B / K / n``), and the gradient of
+  ``x`` comes out split as ``x`` came in."""
   shape, names = data.draw(st.sampled_from(MESHES), label="mesh")
   sizes = dict(zip(names, shape))
   axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
@@ -259,13 +267,14 @@ def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
   count = data.draw(st.integers(2, n + 2), label="K")
   rows = n * data.draw(st.integers(1, 2), label="rows per device")
   form = data.draw(st.sampled_from(["slices", "index"]), label="form")
+  wrt_x = data.draw(st.booleans(), label="gradient of x too")
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
   w = _ints(rng, (8, 8))
   x, y = _ints(rng, (count * rows, 8)), _ints(rng, (count * rows, 8))
   if data.draw(st.booleans(), label="NaN"):
     y[rng.integers(0, count * rows), rng.integers(0, 8)] = np.nan
   spec = P(axes[0] if len(axes) == 1 else axes)
-  step = _unrolled(count, form)
+  step = _unrolled(count, form, wrt_x)
   part = gshard.partition(step, mesh(shape, names), in_specs=(P(), spec, spec))
   low = part.lower(w, x, y)
   _check_equal(part(w, x, y), jax.jit(step)(w, x, y))
@@ -274,6 +283,8 @@ def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
   dots = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "dot_general"]
   assert len(dots) >= count and all(
       e.invars[0].aval.shape[0] == rows // n for e in dots), low.explain()
+  if wrt_x:
+    assert low.out_shardings[1].dims[0] == tuple(axes), low.out_shardings
 
 
 def test_slices_that_do_not_tile_the_batch_are_left_as_they_are():
@@ -351,3 +362,22 @@ def test_starts_that_wrap_or_round_and_other_bodies():
     x = _rows(n)
     part = gshard.partition(f, m, in_specs=(P("data"),))
     _check_equal(part(x), jax.jit(f)(x))
+
+
+def test_the_python_loop_rewrite():
+  """Static slices that tile ``x`` become one reshape and a slice of one
+  micro-batch each; the gradient of ``x`` (a sum of pads, as jax transposes
+  the slices) is summed on ``[K, M, ...]`` and reshaped once. The program
+  type-checks and computes the same values."""
+  rng = np.random.default_rng(6)
+  w, x, y = _ints(rng, (8, 8)), _ints(rng, (32, 8)), _ints(rng, (32, 8))
+  closed = jax.make_jaxpr(_unrolled(4, "slices", wrt_x=True))(w, x, y)
+  new = reshaped_reads(closed)
+  check_jaxpr(new.jaxpr)
+  names = [e.primitive.name for e in new.jaxpr.eqns]
+  reshapes = [e for e in new.jaxpr.eqns if e.primitive.name == "reshape"]
+  assert [tuple(e.outvars[0].aval.shape) for e in reshapes].count((4, 8, 8)) == 2, names
+  assert [tuple(e.outvars[0].aval.shape) for e in reshapes].count((32, 8)) == 1, names
+  pads = [e for e in new.jaxpr.eqns if e.primitive.name == "pad"]
+  assert len(pads) == 4 and all(e.outvars[0].aval.shape == (4, 8, 8) for e in pads), pads
+  _check_equal(jaxpr_as_fun(new)(w, x, y), jaxpr_as_fun(closed)(w, x, y))

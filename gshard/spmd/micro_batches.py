@@ -24,7 +24,10 @@ they get the same layout:
 - **Static slices.** ``x[k*M:(k+1)*M]`` for every ``k`` of ``K >= 2`` (the
   slices tile the leading dim; their other dims whole) become
   ``x.reshape(K, M, ...)[k]`` (:func:`_tilings`). A split over ``data`` was
-  gathered before, and every device computed every row.
+  gathered before, and every device computed every row. Their transpose (a
+  gradient of ``x``: a sum of pads of each micro-batch's cotangent into
+  ``[K*M, ...]``) is summed on ``[K, M, ...]`` and reshaped once
+  (:func:`_pad_sums`), where each pad of a split micro-batch gathered it.
 
 Step ``t`` (slice ``k``) reads the same rows either way, and no start is
 clamped, so the values are the same. Programs inside ``jax.jit`` and loops
@@ -51,8 +54,13 @@ def _rewrite(jaxpr):
   read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
   read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
   tiled, reshaped = _tilings(jaxpr), {}
+  sums, pieces = _pad_sums(jaxpr), {}
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
+    if id(eqn) in sums:
+      eqns.extend(_as_pieces(eqn, *sums[id(eqn)], pieces))
+      changed = True
+      continue
     if eqn.primitive.name == "slice" and eqn.invars[0] in tiled:
       x = eqn.invars[0]
       rows = tiled[x]
@@ -98,6 +106,86 @@ def _tilings(jaxpr) -> dict:
     if (rows >= 2 and n % rows == 0 and n // rows >= 2 and all(m == rows for _, m in pieces)
         and {s for s, _ in pieces} == set(range(0, n, rows))):
       out[x] = rows
+  return out
+
+
+def _pad_piece(e):
+  """``(K, M, k)`` where ``e`` pads its operand ``[M, ...]`` with zeros into
+  rows ``[k*M, (k+1)*M)`` of ``[K*M, ...]`` (dim 0 only, ``K >= 2``, ``M >=
+  2``): the transpose of a read of micro-batch ``k``. None otherwise."""
+  if e.primitive.name != "pad" or not _reshapeable(e.invars[0]):
+    return None
+  zero, config = e.invars[1], e.params["padding_config"]
+  (lo, hi, interior), n, m = config[0], e.outvars[0].aval.shape[0], e.invars[0].aval.shape[0]
+  if (not isinstance(zero, Literal) or np.any(np.asarray(zero.val) != 0) or interior
+      or any(tuple(c) != (0, 0, 0) for c in config[1:]) or m < 2 or lo < 0 or hi < 0
+      or lo % m or n % m or n // m < 2):
+    return None
+  return n // m, m, lo // m
+
+
+def _pad_sums(jaxpr) -> dict:
+  """``id(eqn) ->`` how it is rewritten, for each ``add_any`` tree summing
+  pads of micro-batches (:func:`_pad_piece`; the cotangent of a Python loop's
+  reads, as jax transposes them): each pad into ``[K, M, ...]`` instead, the
+  sums there, one reshape to ``[K*M, ...]`` at the root. Values inside a
+  tree are read by their parent alone."""
+  uses: dict = {}
+  for e in jaxpr.eqns:
+    for v in e.invars:
+      if not isinstance(v, Literal):
+        uses[v] = uses.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if not isinstance(v, Literal):
+      uses[v] = uses.get(v, 0) + 1
+  family, node = {}, {}         # value -> (K, M); a sum's value -> its eqn
+  for e in jaxpr.eqns:
+    piece = _pad_piece(e)
+    if piece is not None:
+      family[e.outvars[0]] = piece[:2]
+    elif (e.primitive.name == "add_any" and len(e.invars) == 2
+          and all(v in family and uses.get(v) == 1 for v in e.invars)
+          and family[e.invars[0]] == family[e.invars[1]]):
+      family[e.outvars[0]] = family[e.invars[0]]
+      node[e.outvars[0]] = e
+  out, producer = {}, _producer(jaxpr)
+  inner = {v for e in node.values() for v in e.invars}
+  for root, e in node.items():
+    if root in inner:
+      continue
+    stack = [e]
+    while stack:
+      cur = stack.pop()
+      out[id(cur)] = (family[root], cur is e)
+      for v in cur.invars:
+        if v in node:
+          stack.append(node[v])
+        else:                          # a pad
+          out[id(producer[v])] = (family[root], False)
+  return out
+
+
+def _as_pieces(e, family, root: bool, pieces: dict) -> list:
+  """``e`` (a pad or sum of :func:`_pad_sums`) on ``[K, M, ...]``; at the
+  root, reshaped back to its own value. ``pieces``: a tree's values so far
+  -> their ``[K, M, ...]`` values."""
+  count, rows = family
+  old = e.outvars[0]
+  shape = (count, rows) + tuple(old.aval.shape[1:])
+  new = Var(old.aval.update(shape=shape))
+  if e.primitive.name == "pad":
+    x = e.invars[0]
+    one = Var(x.aval.update(shape=(1,) + tuple(x.aval.shape)))
+    k = e.params["padding_config"][0][0] // rows
+    out = [_reshape(x, one, e), e.replace(invars=[one, e.invars[1]], outvars=[new], params=dict(
+        e.params, padding_config=((k, count - 1 - k, 0), (0, 0, 0))
+        + tuple(e.params["padding_config"][1:])))]
+  else:
+    out = [e.replace(invars=[pieces.pop(v) for v in e.invars], outvars=[new])]
+  if root:
+    out.append(_reshape(new, old, e))
+  else:
+    pieces[old] = new
   return out
 
 

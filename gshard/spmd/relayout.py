@@ -179,15 +179,42 @@ def _read_per_micro_batch(graph, touching, t) -> bool:
   return bool(readers) and all(_one_micro_batch(b, t) for b in readers)
 
 
+def _maker(graph, touching, t):
+  """The constraint of the equation that makes ``t``, or None."""
+  for k in touching.get(id(t), ()):
+    b = graph.bounds[k]
+    if b.eqn is not None and any(r is t for r in b.results):
+      return b
+  return None
+
+
+def _written_per_micro_batch(graph, touching, t, depth: int = 64) -> bool:
+  """Whether ``t`` is a sum of pads of one micro-batch each (``[1, M, ...]``
+  padded on dim 0 only): the cotangent of a Python loop's reads
+  (:func:`_one_micro_batch`), transposed."""
+  b = _maker(graph, touching, t)
+  if b is None or depth == 0:
+    return False
+  name = b.eqn.primitive.name
+  if name == "pad":
+    op = b.operands[0]
+    return (op is not None and op.shape[:1] == (1,) and tuple(op.shape[1:]) == tuple(t.shape[1:])
+            and all(tuple(c) == (0, 0, 0) for c in b.eqn.params["padding_config"][1:]))
+  if name in ("add", "add_any") and b.operands and all(o is not None for o in b.operands):
+    return all(o.shape == t.shape and _written_per_micro_batch(graph, touching, o, depth - 1)
+               for o in b.operands)
+  return False
+
+
 def propose(graph, touching) -> set[int]:
   """Give the operand's split to each reshape result that came out unsplit
   where a move would split it (after propagation's first phase), where the
   micro-batches are a loop's: the result is the ``xs`` of a scan over the
-  micro-batch dim, or read only by slices of one micro-batch (a split), or
-  the operand a scan's ``ys`` (a merge: the transposed reshape of a backward
-  pass). The constraints touching a changed
-  result. (Elsewhere the partitioner moves rows only where something pins
-  the result so.)"""
+  micro-batch dim, or read only by slices of one micro-batch (a split); or
+  the operand is a scan's ``ys``, or a sum of pads of one micro-batch each
+  (a merge: the transposed reshape of a backward pass). The constraints
+  touching a changed result. (Elsewhere the partitioner moves rows only
+  where something pins the result so.)"""
   mesh = graph.mesh_sizes
   out: set[int] = set()
   for b in graph.bounds:
@@ -198,7 +225,8 @@ def propose(graph, touching) -> set[int]:
       continue
     move = None if is_key(op.dtype) else find(b.rule, b.eqn, op.sharding.dims, mesh)
     if move is None or move.before != (0,) or move.rows != 1 or not (
-        _scan_strips(graph, touching, op, False) if move.merge
+        _scan_strips(graph, touching, op, False)
+        or _written_per_micro_batch(graph, touching, op) if move.merge
         else _scan_strips(graph, touching, res, True)
         or _read_per_micro_batch(graph, touching, res)):
       continue
