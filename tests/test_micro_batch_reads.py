@@ -227,16 +227,20 @@ def test_inside_jit_and_differentiated():
 
 
 def _unrolled(count: int, form: str, wrt_x: bool = False):
-  """The same step as a Python loop: ``x[k*M:(k+1)*M]`` (``slices``) or
-  ``x.reshape(K, M, ...)[k]`` (``index``); ``wrt_x``: the gradient with
-  respect to ``x`` too (jax transposes each read into a pad, and sums them)."""
+  """The same step as a Python loop: ``x[k*M:(k+1)*M]`` (``slices``),
+  ``x.reshape(K, M, ...)[k]`` (``index``) or ``jnp.split(x, K)[k]``
+  (``split``); ``wrt_x``: the gradient with respect to ``x`` too (jax
+  transposes each read into a pad and sums them, or a split into a
+  concatenate)."""
   def total(w, x, y):
     rows = x.shape[0] // count
     if form == "index":
       xs, ys = x.reshape(count, rows, -1), y.reshape(count, rows, -1)
+    elif form == "split":
+      xs, ys = jnp.split(x, count), jnp.split(y, count)
     out = jnp.zeros(())
     for k in range(count):
-      if form == "index":
+      if form in ("index", "split"):
         xx, yy = xs[k], ys[k]
       else:
         xx, yy = x[k * rows:(k + 1) * rows], y[k * rows:(k + 1) * rows]
@@ -254,8 +258,8 @@ def _unrolled(count: int, form: str, wrt_x: bool = False):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
-  """A Python loop over the micro-batches, by static slices or by indexing
-  the reshaped batch, the gradient of ``x`` too or not; random meshes,
+  """A Python loop over the micro-batches, by static slices, by indexing the
+  reshaped batch or by ``jnp.split``, the gradient of ``x`` too or not; random meshes,
   batch axes, K from 2 to past the device count, rows per device, NaNs or
   not: bit for bit ``jax.jit``'s values; nothing gathered, every dot reads
   this device's rows of its micro-batch (``B / K / n``), and the gradient of
@@ -266,7 +270,7 @@ def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
   n = math.prod(sizes[a] for a in axes)
   count = data.draw(st.integers(2, n + 2), label="K")
   rows = n * data.draw(st.integers(1, 2), label="rows per device")
-  form = data.draw(st.sampled_from(["slices", "index"]), label="form")
+  form = data.draw(st.sampled_from(["slices", "index", "split"]), label="form")
   wrt_x = data.draw(st.booleans(), label="gradient of x too")
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
   w = _ints(rng, (8, 8))
@@ -289,7 +293,8 @@ def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
 
 def test_slices_that_do_not_tile_the_batch_are_left_as_they_are():
   """Halves of different sizes, a missing micro-batch, a strided slice, a
-  slice of a trailing dim, one slice alone: no reshape; the values are
+  slice of a trailing dim, one slice alone, an uneven ``jnp.split``, one of
+  columns, a concatenation of unequal pieces: no reshape; the values are
   ``jax.jit``'s."""
   rng = np.random.default_rng(5)
   x = _ints(rng, (32, 8))
@@ -299,6 +304,9 @@ def test_slices_that_do_not_tile_the_batch_are_left_as_they_are():
       "strided": lambda x: x[0:16:2].sum(0) + x[16:32:2].sum(0),
       "trailing": lambda x: x[:, :4].sum(0) + x[:, 4:].sum(0),
       "alone": lambda x: x[:16].sum(0),
+      "uneven split": lambda x: sum(p.sum(0) for p in jnp.split(x, [8])),
+      "split of columns": lambda x: sum(p.sum(0) for p in jnp.split(x, 2, axis=1)),
+      "concatenated unequal": lambda x: jnp.concatenate([x[:8] * 2, x[8:]]),
   }
   m = mesh((8,), ("data",))
   for name, f in cases.items():
@@ -380,4 +388,20 @@ def test_the_python_loop_rewrite():
   assert [tuple(e.outvars[0].aval.shape) for e in reshapes].count((32, 8)) == 1, names
   pads = [e for e in new.jaxpr.eqns if e.primitive.name == "pad"]
   assert len(pads) == 4 and all(e.outvars[0].aval.shape == (4, 8, 8) for e in pads), pads
+  _check_equal(jaxpr_as_fun(new)(w, x, y), jaxpr_as_fun(closed)(w, x, y))
+
+
+def test_split_and_its_transpose_become_the_reshaped_batch():
+  """``jnp.split(x, K)`` becomes one reshape and a slice of one micro-batch
+  each; its transpose (a concatenate of the cotangents) is stacked on
+  ``[K, M, ...]`` and reshaped once. Type-checks, same values."""
+  rng = np.random.default_rng(7)
+  w, x, y = _ints(rng, (8, 8)), _ints(rng, (32, 8)), _ints(rng, (32, 8))
+  closed = jax.make_jaxpr(_unrolled(4, "split", wrt_x=True))(w, x, y)
+  new = reshaped_reads(closed)
+  check_jaxpr(new.jaxpr)
+  names = [e.primitive.name for e in new.jaxpr.eqns]
+  assert "split" not in names, names
+  cat = [e for e in new.jaxpr.eqns if e.primitive.name == "concatenate"]
+  assert len(cat) == 1 and cat[0].outvars[0].aval.shape == (4, 8, 8), cat
   _check_equal(jaxpr_as_fun(new)(w, x, y), jaxpr_as_fun(closed)(w, x, y))

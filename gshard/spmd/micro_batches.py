@@ -68,7 +68,21 @@ def _rewrite(jaxpr):
         reshaped[x] = Var(x.aval.update(shape=(x.aval.shape[0] // rows, rows)
                                         + tuple(x.aval.shape[1:])))
         eqns.append(_reshape(x, reshaped[x], eqn))
-      eqns.extend(_index(reshaped[x], eqn.params["start_indices"][0] // rows, eqn))
+      eqns.extend(_index(reshaped[x], eqn.params["start_indices"][0] // rows, eqn,
+                         eqn.outvars[0]))
+      changed = True
+      continue
+    rows = _equal_split(eqn)
+    if rows:                   # jnp.split(x, K): the K slices at once
+      x = eqn.invars[0]
+      xs = Var(x.aval.update(shape=(x.aval.shape[0] // rows, rows) + tuple(x.aval.shape[1:])))
+      eqns.append(_reshape(x, xs, eqn))
+      for k, out in enumerate(eqn.outvars):
+        eqns.extend(_index(xs, k, eqn, out))
+      changed = True
+      continue
+    if _equal_concatenate(eqn):   # split's transpose: stacked, reshaped once
+      eqns.extend(_stacked(eqn))
       changed = True
       continue
     new = _inner(eqn)
@@ -189,17 +203,49 @@ def _as_pieces(e, family, root: bool, pieces: dict) -> list:
   return out
 
 
-def _index(xs, k: int, like) -> list:
-  """``like``'s result as ``xs[k]``: a slice of one micro-batch, then a squeeze."""
+def _equal_split(e) -> int:
+  """``M`` where ``e`` is ``jnp.split(x, K)`` on the leading dim into ``K >=
+  2`` pieces of ``M >= 2`` rows; 0 otherwise."""
+  if e.primitive.name != "split" or e.params["axis"] != 0 or not _reshapeable(e.invars[0]):
+    return 0
+  sizes = {int(n) for n in e.params["sizes"]}
+  rows = sizes.pop() if len(sizes) == 1 else 0
+  return rows if rows >= 2 and len(e.outvars) >= 2 else 0
+
+
+def _equal_concatenate(e) -> bool:
+  """Whether ``e`` concatenates ``K >= 2`` pieces of ``M >= 2`` rows each on
+  the leading dim (split's transpose)."""
+  if (e.primitive.name != "concatenate" or e.params["dimension"] != 0 or len(e.invars) < 2
+      or not all(_reshapeable(v) for v in e.invars)):
+    return False
+  shapes = {tuple(v.aval.shape) for v in e.invars}
+  return len(shapes) == 1 and shapes.pop()[0] >= 2
+
+
+def _stacked(e) -> list:
+  """``e``'s result as its pieces stacked (``[K, M, ...]``: each reshaped
+  to ``[1, M, ...]``, concatenated) and reshaped once."""
+  pieces, ones = [], []
+  for v in e.invars:
+    one = Var(v.aval.update(shape=(1,) + tuple(v.aval.shape)))
+    pieces.append(_reshape(v, one, e))
+    ones.append(one)
+  old = e.outvars[0]
+  stacked = Var(old.aval.update(shape=(len(ones),) + tuple(e.invars[0].aval.shape)))
+  return pieces + [e.replace(invars=ones, outvars=[stacked]), _reshape(stacked, old, e)]
+
+
+def _index(xs, k: int, like, out) -> list:
+  """``out = xs[k]``: a slice of one micro-batch, then a squeeze (at
+  ``like``'s source line)."""
   shape = tuple(xs.aval.shape)
   one = Var(xs.aval.update(shape=(1,) + shape[1:]))
-  cut = like.replace(invars=[xs], outvars=[one], params=dict(
-      like.params, start_indices=(k,) + (0,) * (len(shape) - 1),
-      limit_indices=(k + 1,) + shape[1:], strides=None))
-  probe = jax.make_jaxpr(lambda a: jax.lax.squeeze(a, (0,)))(
-      jax.ShapeDtypeStruct(one.aval.shape, one.aval.dtype)).jaxpr.eqns[0]
-  return [cut, probe.replace(invars=[one], outvars=list(like.outvars),
-                             source_info=like.source_info, ctx=like.ctx)]
+  probe = jax.make_jaxpr(lambda a: jax.lax.squeeze(jax.lax.slice_in_dim(a, k, k + 1), (0,)))(
+      jax.ShapeDtypeStruct(shape, xs.aval.dtype)).jaxpr.eqns
+  where = dict(source_info=like.source_info, ctx=like.ctx)
+  return [probe[0].replace(invars=[xs], outvars=[one], **where),
+          probe[1].replace(invars=[one], outvars=[out], **where)]
 
 
 def _inner(eqn):

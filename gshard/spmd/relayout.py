@@ -190,8 +190,8 @@ def _maker(graph, touching, t):
 
 def _written_per_micro_batch(graph, touching, t, depth: int = 64) -> bool:
   """Whether ``t`` is a sum of pads of one micro-batch each (``[1, M, ...]``
-  padded on dim 0 only): the cotangent of a Python loop's reads
-  (:func:`_one_micro_batch`), transposed."""
+  padded on dim 0 only), or a concatenation of them on dim 0: the
+  cotangent of a Python loop's reads (:func:`_one_micro_batch`), transposed."""
   b = _maker(graph, touching, t)
   if b is None or depth == 0:
     return False
@@ -200,6 +200,10 @@ def _written_per_micro_batch(graph, touching, t, depth: int = 64) -> bool:
     op = b.operands[0]
     return (op is not None and op.shape[:1] == (1,) and tuple(op.shape[1:]) == tuple(t.shape[1:])
             and all(tuple(c) == (0, 0, 0) for c in b.eqn.params["padding_config"][1:]))
+  if name == "concatenate":            # split's transpose, stacked (micro_batches.py)
+    return (b.eqn.params["dimension"] == 0 and all(
+        o is not None and o.shape[:1] == (1,) and tuple(o.shape[1:]) == tuple(t.shape[1:])
+        for o in b.operands))
   if name in ("add", "add_any") and b.operands and all(o is not None for o in b.operands):
     return all(o.shape == t.shape and _written_per_micro_batch(graph, touching, o, depth - 1)
                for o in b.operands)
