@@ -28,6 +28,9 @@ they get the same layout:
   gradient of ``x``: a sum of pads of each micro-batch's cotangent into
   ``[K*M, ...]``) is summed on ``[K, M, ...]`` and reshaped once
   (:func:`_pad_sums`), where each pad of a split micro-batch gathered it.
+  ``jnp.split(x, K)`` of the leading dim into equal pieces is read the same
+  way; its transpose, a concatenate of equal pieces on the leading dim,
+  becomes the pieces stacked on ``[K, M, ...]`` and reshaped once.
 
 Step ``t`` (slice ``k``) reads the same rows either way, and no start is
 clamped, so the values are the same. Programs inside ``jax.jit`` and loops
