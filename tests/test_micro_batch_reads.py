@@ -188,7 +188,9 @@ def test_other_loops_are_left_as_they_are():
 
 def test_a_counter_read_in_the_body_stays():
   """The body reads the counter (a per-step weight): the slices become
-  ``xs``, the counter stays a carry, and the values are ``jax.jit``'s."""
+  ``xs``, the counter stays a carry, the values are ``jax.jit``'s, and the
+  loop is still one over micro-batches: each device computes its rows, and
+  ``x`` moves once (nothing gathered)."""
   rng = np.random.default_rng(3)
   w, x = _ints(rng, (8, 8)), _ints(rng, (32, 8))
 
@@ -203,6 +205,11 @@ def test_a_counter_read_in_the_body_stays():
   assert scan.params["num_carry"] == 2 and scan.invars[-1].aval.shape == (4, 8, 8), scan
   part = gshard.partition(f, mesh((8,), ("data",)), in_specs=(P(), P("data")))
   _check_equal(part(w, x), jax.jit(f)(w, x))
+  low = part.lower(w, x)
+  assert not [c for c in low.collectives() if c.shape == x.shape and c.kind != "ppermute"], \
+      low.explain()           # (the sum of activations is gathered as the output)
+  dots = _loop_dots(low)
+  assert dots and all(e.invars[0].aval.shape[0] == 1 for e in dots), low.explain()
 
 
 def test_inside_jit_and_differentiated():

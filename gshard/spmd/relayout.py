@@ -43,6 +43,7 @@ import functools
 import math
 
 import numpy as np
+from jax.extend.core import Literal
 
 from gshard.spmd import factors
 from gshard.spmd.collectives import is_key
@@ -130,11 +131,30 @@ def carried(bound, mesh) -> frozenset[str]:
 
 def _accumulates(eqn) -> bool:
   """Whether ``eqn`` is a loop over micro-batches: a scan whose every carry
-  only accumulates (gradient and loss sums). A scan over stacked layers
-  carries the activation (an aux-loss sum beside it does not make it one)."""
+  only accumulates (gradient and loss sums) or counts the steps (a
+  ``fori_loop``'s counter its body reads, say for a per-step scale). A scan
+  over stacked layers carries the activation (an aux-loss sum beside it
+  does not make it one)."""
   p = eqn.params
-  return eqn.primitive.name == "scan" and p["num_carry"] > 0 and len(accumulators(
-      p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"])) == p["num_carry"]
+  if eqn.primitive.name != "scan" or p["num_carry"] == 0:
+    return False
+  body, first = p["jaxpr"].jaxpr, p["num_consts"]
+  sums = accumulators(body, first, p["num_carry"])
+  return bool(sums) and all(c in sums or _counts(body, first, c)
+                           for c in range(p["num_carry"]))
+
+
+def _counts(body, first: int, c: int) -> bool:
+  """Whether carry ``c`` is an integer scalar the body adds 1 to."""
+  vin, vout = body.invars[first + c], body.outvars[c]
+  if vin.aval.shape or not np.issubdtype(vin.aval.dtype, np.integer):
+    return False
+  for e in body.eqns:
+    if vout in e.outvars:
+      return e.primitive.name == "add" and vin in e.invars and any(
+          isinstance(v, Literal) and np.issubdtype(np.asarray(v.val).dtype, np.integer)
+          and int(v.val) == 1 for v in e.invars)
+  return False
 
 
 def _strip(b, xs: bool):
