@@ -412,3 +412,18 @@ def test_split_and_its_transpose_become_the_reshaped_batch():
   cat = [e for e in new.jaxpr.eqns if e.primitive.name == "concatenate"]
   assert len(cat) == 1 and cat[0].outvars[0].aval.shape == (4, 8, 8), cat
   _check_equal(jaxpr_as_fun(new)(w, x, y), jaxpr_as_fun(closed)(w, x, y))
+
+
+def test_other_slices_of_a_tiled_batch_stay():
+  """Beside the slices that tile ``x``, a strided slice and a slice of some
+  columns of it are read from ``x`` as they are (a second reader found them
+  taken as micro-batches of the reshaped ``x``: wrong values)."""
+  rng = np.random.default_rng(8)
+  x = _ints(rng, (16, 4))
+  m = mesh((8,), ("data",))
+  for f in (lambda x: (x[0:8] * 2 + x[8:16], x[::2]),
+            lambda x: (x[0:8] + x[8:16], x[0:8, :2])):
+    new = reshaped_reads(jax.make_jaxpr(f)(x))
+    check_jaxpr(new.jaxpr)
+    part = gshard.partition(f, m, in_specs=(P("data"),))
+    _check_equal(part(x), jax.jit(f)(x))

@@ -64,9 +64,9 @@ def _rewrite(jaxpr):
       eqns.extend(_as_pieces(eqn, *sums[id(eqn)], pieces))
       changed = True
       continue
-    if eqn.primitive.name == "slice" and eqn.invars[0] in tiled:
+    if id(eqn) in tiled:
       x = eqn.invars[0]
-      rows = tiled[x]
+      rows = tiled[id(eqn)]
       if x not in reshaped:
         reshaped[x] = Var(x.aval.update(shape=(x.aval.shape[0] // rows, rows)
                                         + tuple(x.aval.shape[1:])))
@@ -103,9 +103,10 @@ def _reshapeable(x) -> bool:
 
 
 def _tilings(jaxpr) -> dict:
-  """Variable -> ``M``, where its ``slice`` readers of ``M >= 2`` rows tile
-  its leading dim (every ``[k*M, (k+1)*M)`` read, ``K >= 2``, the other dims
-  whole, no strides). Slices of one row (``xs[k]``) already read the
+  """``id(slice eqn) -> M`` for the ``slice`` readers of ``M >= 2`` rows that
+  tile a variable's leading dim (every ``[k*M, (k+1)*M)`` read, ``K >= 2``,
+  the other dims whole, no strides). Its other slices (strided, of some
+  columns) stay as they are. Slices of one row (``xs[k]``) already read the
   micro-batches of a reshaped batch."""
   readers: dict = {}
   for e in jaxpr.eqns:
@@ -116,13 +117,13 @@ def _tilings(jaxpr) -> dict:
                              e.params["strides"])
     if (not any(start[1:]) and tuple(limit[1:]) == tuple(x.aval.shape[1:])
         and (strides is None or all(s == 1 for s in strides))):
-      readers.setdefault(x, []).append((start[0], limit[0] - start[0]))
+      readers.setdefault(x, []).append((start[0], limit[0] - start[0], id(e)))
   out = {}
   for x, pieces in readers.items():
     rows, n = pieces[0][1], x.aval.shape[0]
-    if (rows >= 2 and n % rows == 0 and n // rows >= 2 and all(m == rows for _, m in pieces)
-        and {s for s, _ in pieces} == set(range(0, n, rows))):
-      out[x] = rows
+    if (rows >= 2 and n % rows == 0 and n // rows >= 2 and all(m == rows for _, m, _ in pieces)
+        and {s for s, _, _ in pieces} == set(range(0, n, rows))):
+      out.update({e: rows for _, _, e in pieces})
   return out
 
 
