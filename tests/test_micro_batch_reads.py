@@ -427,3 +427,22 @@ def test_other_slices_of_a_tiled_batch_stay():
     check_jaxpr(new.jaxpr)
     part = gshard.partition(f, m, in_specs=(P("data"),))
     _check_equal(part(x), jax.jit(f)(x))
+
+
+def test_many_micro_batches():
+  """64 micro-batches by ``jnp.split`` and by slices, the gradient of ``x``
+  too: jax's concatenate of 64 pieces has more factors than letters (it
+  raised "rank too large for factor names" before, at the base too)."""
+  rng = np.random.default_rng(9)
+  w, x = _ints(rng, (8, 8)), _ints(rng, (256, 8))
+  m = mesh((8,), ("data",))
+
+  def by_split(w, x):
+    return jax.grad(lambda x: sum(jnp.sum((p @ w) ** 2) for p in jnp.split(x, 64)))(x)
+
+  def by_slices(w, x):
+    return jax.grad(lambda x: sum(jnp.sum((x[k * 4:(k + 1) * 4] @ w) ** 2)
+                                  for k in range(64)))(x)
+  for f in (by_split, by_slices):
+    part = gshard.partition(f, m, in_specs=(P(), P("data")))
+    _check_equal(part(w, x), jax.jit(f)(w, x))

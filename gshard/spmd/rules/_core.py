@@ -172,6 +172,13 @@ def letters(n: int, start: int = 0) -> str:
   return alphabet[start:start + n]
 
 
+def _name(i: int) -> str:
+  """The ``i``-th fresh factor name: a letter, then (past 52: a concatenate
+  of 60 pieces has 120 factors) a letter and a number."""
+  alphabet = string.ascii_lowercase + string.ascii_uppercase
+  return alphabet[i] if i < len(alphabet) else f"{alphabet[i % len(alphabet)]}{i // len(alphabet)}"
+
+
 class Factors:
   """Fresh factor names with their sizes and roles: the way to build a rule by hand.
 
@@ -193,7 +200,7 @@ class Factors:
 
   def __call__(self, size: int, *, blocked: bool = False, reduction: bool = False) -> str:
     """A new factor of ``size``; ``blocked`` never split, ``reduction`` summed over."""
-    f = letters(1, len(self.sizes))
+    f = _name(len(self.sizes))
     self.sizes[f] = int(size)
     if blocked:
       self.blocked.append(f)
