@@ -446,3 +446,33 @@ def test_many_micro_batches():
   for f in (by_split, by_slices):
     part = gshard.partition(f, m, in_specs=(P(), P("data")))
     _check_equal(part(w, x), jax.jit(f)(w, x))
+
+
+def test_concatenated_weights_and_halves_of_activations_are_no_micro_batches():
+  """A fused projection's weights concatenated on dim 0 (rows split over a
+  model axis), and halves of an activation multiplied together (a
+  contrastive loss): a second reader found both moved to their rows and
+  sending more (1156 -> 2692 B, 1344 -> 1600 B). Only an input read as
+  micro-batches, and the transpose of that read, are rewritten now; these
+  programs are left as they are and equal ``jax.jit``."""
+  rng = np.random.default_rng(10)
+  x, wq, w = _ints(rng, (32, 8)), _ints(rng, (16, 8)), _ints(rng, (8, 8))
+
+  def fused(x, a, b, c):
+    h = x @ jnp.concatenate([a, b, c]).T
+    q, k, v = jnp.split(h, 3, axis=1)
+    return jnp.sum(q * k * v)
+
+  def contrastive(x, w):
+    def loss(w):
+      a, b = jnp.split(x @ w, 2)
+      return jnp.sum(a @ b.T)
+    return jax.grad(loss)(w)
+  cases = [(fused, (x, wq, wq + 1, wq - 1), mesh((2, 4), ("x", "y")),
+            (P("x"), P("y"), P("y"), P("y"))),
+           (contrastive, (x, w), mesh((8,), ("data",)), (P("data"), P()))]
+  for f, args, m, specs in cases:
+    closed = jax.make_jaxpr(f)(*args)
+    assert reshaped_reads(closed) is closed, f.__name__
+    part = gshard.partition(f, m, in_specs=specs)
+    _check_equal(part(*args), jax.jit(f)(*args))

@@ -30,7 +30,11 @@ they get the same layout:
   (:func:`_pad_sums`), where each pad of a split micro-batch gathered it.
   ``jnp.split(x, K)`` of the leading dim into equal pieces is read the same
   way; its transpose, a concatenate of equal pieces on the leading dim,
-  becomes the pieces stacked on ``[K, M, ...]`` and reshaped once.
+  becomes the pieces stacked on ``[K, M, ...]`` and reshaped once. Only the
+  program's inputs (an inner program's too) are read so, and only pads and
+  concatenates into such an input's shape, in its micro-batches, are
+  rewritten: other equal splits and concatenates (halves of an activation,
+  a fused projection's weights) are no loop over micro-batches.
 
 Step ``t`` (slice ``k``) reads the same rows either way, and no start is
 clamped, so the values are the same. Programs inside ``jax.jit`` and loops
@@ -38,6 +42,8 @@ are rewritten as well.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -57,7 +63,8 @@ def _rewrite(jaxpr):
   read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
   read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
   tiled, reshaped = _tilings(jaxpr), {}
-  sums, pieces = _pad_sums(jaxpr), {}
+  families = _families(jaxpr, tiled)
+  sums, pieces = _pad_sums(jaxpr, families), {}
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
     if id(eqn) in sums:
@@ -75,7 +82,7 @@ def _rewrite(jaxpr):
                          eqn.outvars[0]))
       changed = True
       continue
-    rows = _equal_split(eqn)
+    rows = _equal_split(eqn, jaxpr.invars)
     if rows:                   # jnp.split(x, K): the K slices at once
       x = eqn.invars[0]
       xs = Var(x.aval.update(shape=(x.aval.shape[0] // rows, rows) + tuple(x.aval.shape[1:])))
@@ -84,7 +91,7 @@ def _rewrite(jaxpr):
         eqns.extend(_index(xs, k, eqn, out))
       changed = True
       continue
-    if _equal_concatenate(eqn):   # split's transpose: stacked, reshaped once
+    if _equal_concatenate(eqn, families):   # split's transpose: stacked, reshaped once
       eqns.extend(_stacked(eqn))
       changed = True
       continue
@@ -104,14 +111,18 @@ def _reshapeable(x) -> bool:
 
 def _tilings(jaxpr) -> dict:
   """``id(slice eqn) -> M`` for the ``slice`` readers of ``M >= 2`` rows that
-  tile a variable's leading dim (every ``[k*M, (k+1)*M)`` read, ``K >= 2``,
+  tile an input's leading dim (every ``[k*M, (k+1)*M)`` read, ``K >= 2``,
   the other dims whole, no strides). Its other slices (strided, of some
   columns) stay as they are. Slices of one row (``xs[k]``) already read the
-  micro-batches of a reshaped batch."""
+  micro-batches of a reshaped batch. Only the program's inputs (or an inner
+  program's): a batch. Halves of an activation (a contrastive loss's
+  ``a, b``) are no micro-batches: a second reader found them moved to their
+  rows only to be multiplied together (1344 -> 1600 B)."""
   readers: dict = {}
+  inputs = set(jaxpr.invars)
   for e in jaxpr.eqns:
     x = e.invars[0] if e.primitive.name == "slice" else None
-    if x is None or not _reshapeable(x):
+    if x is None or x not in inputs or not _reshapeable(x):
       continue
     start, limit, strides = (e.params["start_indices"], e.params["limit_indices"],
                              e.params["strides"])
@@ -142,7 +153,7 @@ def _pad_piece(e):
   return n // m, m, lo // m
 
 
-def _pad_sums(jaxpr) -> dict:
+def _pad_sums(jaxpr, families) -> dict:
   """``id(eqn) ->`` how it is rewritten, for each ``add_any`` tree summing
   pads of micro-batches (:func:`_pad_piece`; the cotangent of a Python loop's
   reads, as jax transposes them): each pad into ``[K, M, ...]`` instead, the
@@ -159,7 +170,7 @@ def _pad_sums(jaxpr) -> dict:
   family, node = {}, {}         # value -> (K, M); a sum's value -> its eqn
   for e in jaxpr.eqns:
     piece = _pad_piece(e)
-    if piece is not None:
+    if piece is not None and (tuple(e.outvars[0].aval.shape), piece[1]) in families:
       family[e.outvars[0]] = piece[:2]
     elif (e.primitive.name == "add_any" and len(e.invars) == 2
           and all(v in family and uses.get(v) == 1 for v in e.invars)
@@ -207,24 +218,39 @@ def _as_pieces(e, family, root: bool, pieces: dict) -> list:
   return out
 
 
-def _equal_split(e) -> int:
-  """``M`` where ``e`` is ``jnp.split(x, K)`` on the leading dim into ``K >=
-  2`` pieces of ``M >= 2`` rows; 0 otherwise."""
-  if e.primitive.name != "split" or e.params["axis"] != 0 or not _reshapeable(e.invars[0]):
+def _equal_split(e, inputs) -> int:
+  """``M`` where ``e`` is ``jnp.split(x, K)`` of an input (:func:`_tilings`)
+  on the leading dim into ``K >= 2`` pieces of ``M >= 2`` rows; 0 otherwise."""
+  if (e.primitive.name != "split" or e.params["axis"] != 0 or e.invars[0] not in inputs
+      or not _reshapeable(e.invars[0])):
     return 0
   sizes = {int(n) for n in e.params["sizes"]}
   rows = sizes.pop() if len(sizes) == 1 else 0
   return rows if rows >= 2 and len(e.outvars) >= 2 else 0
 
 
-def _equal_concatenate(e) -> bool:
+def _families(jaxpr, tiled) -> set:
+  """``(shape, M)`` of each input read as micro-batches here (by slices or
+  ``jnp.split``): the layouts a transpose's concatenate or pads may take."""
+  out = set()
+  for e in jaxpr.eqns:
+    rows = tiled.get(id(e)) or _equal_split(e, jaxpr.invars)
+    if rows:
+      out.add((tuple(e.invars[0].aval.shape), rows))
+  return out
+
+
+def _equal_concatenate(e, families) -> bool:
   """Whether ``e`` concatenates ``K >= 2`` pieces of ``M >= 2`` rows each on
-  the leading dim (split's transpose)."""
+  the leading dim, into the shape of an input read as micro-batches of ``M``
+  rows (split's transpose). Other concatenates stay: weights concatenated
+  into a fused projection were moved to their rows (1156 -> 2692 B)."""
   if (e.primitive.name != "concatenate" or e.params["dimension"] != 0 or len(e.invars) < 2
       or not all(_reshapeable(v) for v in e.invars)):
     return False
   shapes = {tuple(v.aval.shape) for v in e.invars}
-  return len(shapes) == 1 and shapes.pop()[0] >= 2
+  piece = shapes.pop() if len(shapes) == 1 else (0,)
+  return (tuple(e.outvars[0].aval.shape), piece[0]) in families
 
 
 def _stacked(e) -> list:
@@ -245,10 +271,11 @@ def _index(xs, k: int, like, out) -> list:
   ``like``'s source line)."""
   shape = tuple(xs.aval.shape)
   one = Var(xs.aval.update(shape=(1,) + shape[1:]))
-  probe = jax.make_jaxpr(lambda a: jax.lax.squeeze(jax.lax.slice_in_dim(a, k, k + 1), (0,)))(
-      jax.ShapeDtypeStruct(shape, xs.aval.dtype)).jaxpr.eqns
+  probe = _probe_index(shape, xs.aval.dtype)
   where = dict(source_info=like.source_info, ctx=like.ctx)
-  return [probe[0].replace(invars=[xs], outvars=[one], **where),
+  cut = dict(probe[0].params, start_indices=(k,) + (0,) * (len(shape) - 1),
+             limit_indices=(k + 1,) + shape[1:])
+  return [probe[0].replace(invars=[xs], outvars=[one], params=cut, **where),
           probe[1].replace(invars=[one], outvars=[out], **where)]
 
 
@@ -431,6 +458,19 @@ def _prune(eqns, outvars, invars, nc: int, counter: int):
 
 def _reshape(x, out, like):
   """``out = x.reshape(out.shape)``, as jax traces it, at ``like``'s source line."""
-  probe = jax.make_jaxpr(lambda a: a.reshape(out.aval.shape))(
-      jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype)).jaxpr.eqns[0]
+  probe = _probe_reshape(tuple(x.aval.shape), x.aval.dtype, tuple(out.aval.shape))
   return probe.replace(invars=[x], outvars=[out], source_info=like.source_info, ctx=like.ctx)
+
+
+@functools.lru_cache(maxsize=512)
+def _probe_reshape(shape, dtype, new):
+  """jax's reshape equation ``shape -> new`` (traced once per shape: a loop of
+  K micro-batches asks K times)."""
+  return jax.make_jaxpr(lambda a: a.reshape(new))(jax.ShapeDtypeStruct(shape, dtype)).jaxpr.eqns[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _probe_index(shape, dtype):
+  """jax's equations for ``a[0]`` of ``a: shape``: a slice, a squeeze."""
+  return tuple(jax.make_jaxpr(lambda a: jax.lax.squeeze(jax.lax.slice_in_dim(a, 0, 1), (0,)))(
+      jax.ShapeDtypeStruct(shape, dtype)).jaxpr.eqns)
