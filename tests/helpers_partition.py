@@ -28,6 +28,23 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...]):
   return gshard.make_mesh(tuple(shape), tuple(names))
 
 
+BATCH_MESHES = [((8,), ("x",)), ((2, 4), ("x", "y")), ((4, 2), ("x", "y"))]
+
+
+def draw_batch(data, least: int = 1):
+  """For the micro-batch properties: a mesh of :data:`BATCH_MESHES`, the
+  batch's axes on it (one or two), ``n`` their devices, ``K`` micro-batches
+  (from ``least``; below, at and above ``n``) and ``M``, a multiple of ``n``:
+  ``(shape, names, sizes, axes, n, K, M)``."""
+  shape, names = data.draw(st.sampled_from(BATCH_MESHES), label="mesh")
+  sizes = dict(zip(names, shape))
+  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
+  n = math.prod(sizes[a] for a in axes)
+  count = data.draw(st.integers(least, 2 * n + 1), label="K")
+  rows = n * data.draw(st.integers(1, 2), label="rows per device")
+  return shape, names, sizes, axes, n, count, rows
+
+
 @st.composite
 def specs_2d(draw, choices):
   """A PartitionSpec of a 2-D array: each dim one of ``choices`` (None, an axis

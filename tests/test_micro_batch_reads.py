@@ -14,8 +14,6 @@ for bit.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,9 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard
 from gshard.spmd.micro_batches import reshaped_reads
-from helpers_partition import mesh
-
-MESHES = [((8,), ("x",)), ((2, 4), ("x", "y")), ((4, 2), ("x", "y"))]
+from helpers_partition import draw_batch, mesh
 
 
 def _ints(rng, shape):
@@ -86,12 +82,7 @@ def test_fori_accumulation_is_data_parallel_and_equals_one_device(data):
   micro-batch, NaNs in the batch or not: the step equals ``jax.jit`` bit
   for bit (NaN positions included); nothing is gathered, and the loop's dot
   reads this device's rows of the micro-batch (``B / K / n``)."""
-  shape, names = data.draw(st.sampled_from(MESHES), label="mesh")
-  sizes = dict(zip(names, shape))
-  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
-  n = math.prod(sizes[a] for a in axes)
-  count = data.draw(st.integers(1, 2 * n + 1), label="K")
-  rows = n * data.draw(st.integers(1, 2), label="rows per device")
+  shape, names, sizes, axes, n, count, rows = draw_batch(data)
   form = data.draw(st.sampled_from(["in_dim", "tuple", "with_loss"]), label="form")
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
   w = _ints(rng, (8, 8))
@@ -271,12 +262,7 @@ def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
   not: bit for bit ``jax.jit``'s values; nothing gathered, every dot reads
   this device's rows of its micro-batch (``B / K / n``), and the gradient of
   ``x`` comes out split as ``x`` came in."""
-  shape, names = data.draw(st.sampled_from(MESHES), label="mesh")
-  sizes = dict(zip(names, shape))
-  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
-  n = math.prod(sizes[a] for a in axes)
-  count = data.draw(st.integers(2, n + 2), label="K")
-  rows = n * data.draw(st.integers(1, 2), label="rows per device")
+  shape, names, sizes, axes, n, count, rows = draw_batch(data, least=2)
   form = data.draw(st.sampled_from(["slices", "index", "split"]), label="form")
   wrt_x = data.draw(st.booleans(), label="gradient of x too")
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))

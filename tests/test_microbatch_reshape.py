@@ -25,9 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard
 from gshard.spmd import relayout
-from helpers_partition import mesh
-
-MESHES = [((8,), ("x",)), ((2, 4), ("x", "y")), ((4, 2), ("x", "y"))]
+from helpers_partition import draw_batch, mesh
 
 
 def test_rounds_put_every_row_where_the_reshape_puts_it():
@@ -50,18 +48,6 @@ def test_rounds_put_every_row_where_the_reshape_puts_it():
         for t in range(n):
           back[sender[r, t], piece[r, sender[r, t]]] = got[t, lands[r, t]]
       np.testing.assert_array_equal(back, rows, err_msg=f"n={n} K={count} back")
-
-
-def _draw_batch(data):
-  """A mesh, the batch's axes on it (one or two), ``n`` their devices, ``K``
-  micro-batches (below, at and above ``n``) and ``M``, a multiple of ``n``."""
-  shape, names = data.draw(st.sampled_from(MESHES), label="mesh")
-  sizes = dict(zip(names, shape))
-  axes = data.draw(st.sampled_from([names[:1], names[-1:], names]), label="axes")
-  n = math.prod(sizes[a] for a in axes)
-  count = data.draw(st.integers(1, 2 * n + 1), label="K")
-  rows = n * data.draw(st.integers(1, 2), label="rows per device")
-  return shape, names, sizes, axes, n, count, rows
 
 
 def _values(rng, shape, dtype):
@@ -88,7 +74,7 @@ def test_micro_batch_reshapes_equal_one_device(data):
   merge): bit for bit the values of ``jax.jit``; where the split cannot stay
   on the micro-batch dim, ppermutes of at most the local block (nothing
   gathered) and the result split on the rows."""
-  shape, names, sizes, axes, n, count, rows = _draw_batch(data)
+  shape, names, sizes, axes, n, count, rows = draw_batch(data)
   trail = data.draw(st.sampled_from([(), (3,), (2, 2)]), label="trailing dims")
   dtype = data.draw(st.sampled_from([np.float32, np.int32, np.bool_, jnp.bfloat16]),
                     label="dtype")
@@ -208,7 +194,7 @@ def test_gradient_accumulation_is_data_parallel_and_equals_one_device(data):
   ``jax.jit`` bit for bit (small integers: every order of the sums exact);
   nothing is gathered, and the scan's dot reads this device's rows of the
   micro-batch (``B / K / n``)."""
-  shape, names, sizes, axes, n, count, rows = _draw_batch(data)
+  shape, names, sizes, axes, n, count, rows = draw_batch(data)
   rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
   w = _ints(rng, (8, 8))
   x, y = _ints(rng, (count * rows, 8)), _ints(rng, (count * rows, 8))
