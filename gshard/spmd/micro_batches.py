@@ -62,8 +62,8 @@ def reshaped_reads(closed: ClosedJaxpr) -> ClosedJaxpr:
 def _rewrite(jaxpr):
   read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
   read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
-  tiled, reshaped = _tilings(jaxpr), {}
-  families = _families(jaxpr, tiled)
+  tiled, reshaped, inputs = _tilings(jaxpr), {}, set(jaxpr.invars)
+  families = _families(jaxpr, tiled, inputs)
   sums, pieces = _pad_sums(jaxpr, families), {}
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
@@ -82,7 +82,7 @@ def _rewrite(jaxpr):
                          eqn.outvars[0]))
       changed = True
       continue
-    rows = _equal_split(eqn, jaxpr.invars)
+    rows = _equal_split(eqn, inputs)
     if rows:                   # jnp.split(x, K): the K slices at once
       x = eqn.invars[0]
       xs = Var(x.aval.update(shape=(x.aval.shape[0] // rows, rows) + tuple(x.aval.shape[1:])))
@@ -229,12 +229,12 @@ def _equal_split(e, inputs) -> int:
   return rows if rows >= 2 and len(e.outvars) >= 2 else 0
 
 
-def _families(jaxpr, tiled) -> set:
+def _families(jaxpr, tiled, inputs) -> set:
   """``(shape, M)`` of each input read as micro-batches here (by slices or
   ``jnp.split``): the layouts a transpose's concatenate or pads may take."""
   out = set()
   for e in jaxpr.eqns:
-    rows = tiled.get(id(e)) or _equal_split(e, jaxpr.invars)
+    rows = tiled.get(id(e)) or _equal_split(e, inputs)
     if rows:
       out.add((tuple(e.invars[0].aval.shape), rows))
   return out

@@ -208,26 +208,30 @@ def _maker(graph, touching, t):
   return None
 
 
-def _written_per_micro_batch(graph, touching, t, depth: int = 64) -> bool:
+def _written_per_micro_batch(graph, touching, t) -> bool:
   """Whether ``t`` is a sum of pads of one micro-batch each (``[1, M, ...]``
   padded on dim 0 only), or a concatenation of them on dim 0: the
   cotangent of a Python loop's reads (:func:`_one_micro_batch`), transposed."""
-  b = _maker(graph, touching, t)
-  if b is None or depth == 0:
-    return False
-  name = b.eqn.primitive.name
-  if name == "pad":
-    op = b.operands[0]
-    return (op is not None and op.shape[:1] == (1,) and tuple(op.shape[1:]) == tuple(t.shape[1:])
+  stack = [t]
+  while stack:
+    b = _maker(graph, touching, stack.pop())
+    name = b.eqn.primitive.name if b is not None else None
+    if name == "pad":
+      op = b.operands[0]
+      ok = (op is not None and op.shape[:1] == (1,) and tuple(op.shape[1:]) == tuple(t.shape[1:])
             and all(tuple(c) == (0, 0, 0) for c in b.eqn.params["padding_config"][1:]))
-  if name == "concatenate":            # split's transpose, stacked (micro_batches.py)
-    return (b.eqn.params["dimension"] == 0 and all(
-        o is not None and o.shape[:1] == (1,) and tuple(o.shape[1:]) == tuple(t.shape[1:])
-        for o in b.operands))
-  if name in ("add", "add_any") and b.operands and all(o is not None for o in b.operands):
-    return all(o.shape == t.shape and _written_per_micro_batch(graph, touching, o, depth - 1)
-               for o in b.operands)
-  return False
+    elif name == "concatenate":        # split's transpose, stacked (micro_batches.py)
+      ok = b.eqn.params["dimension"] == 0 and all(
+          o is not None and o.shape[:1] == (1,) and tuple(o.shape[1:]) == tuple(t.shape[1:])
+          for o in b.operands)
+    elif name in ("add", "add_any") and b.operands:
+      ok = all(o is not None and o.shape == t.shape for o in b.operands)
+      stack.extend(b.operands if ok else ())
+    else:
+      ok = False
+    if not ok:
+      return False
+  return True
 
 
 def propose(graph, touching) -> set[int]:
@@ -249,10 +253,10 @@ def propose(graph, touching) -> set[int]:
       continue
     move = None if is_key(op.dtype) else find(b.rule, b.eqn, op.sharding.dims, mesh)
     if move is None or move.before != (0,) or move.rows != 1 or not (
-        _scan_strips(graph, touching, op, False)
-        or _written_per_micro_batch(graph, touching, op) if move.merge
-        else _scan_strips(graph, touching, res, True)
-        or _read_per_micro_batch(graph, touching, res)):
+        (_scan_strips(graph, touching, op, False)
+         or _written_per_micro_batch(graph, touching, op)) if move.merge
+        else (_scan_strips(graph, touching, res, True)
+              or _read_per_micro_batch(graph, touching, res))):
       continue
     dims = _moved_layout(move, res)
     if dims is not None:
