@@ -462,3 +462,17 @@ def test_concatenated_weights_and_halves_of_activations_are_no_micro_batches():
     assert reshaped_reads(closed) is closed, f.__name__
     part = gshard.partition(f, m, in_specs=specs)
     _check_equal(part(*args), jax.jit(f)(*args))
+
+
+def test_a_sum_with_a_literal_term():
+  """jax's transpose can add a literal cotangent (``add_any 1.0 i``): the
+  search for sums of micro-batch pads skips it (it raised "unhashable type:
+  'Literal'", found by the propagation property test)."""
+  def f(a):
+    c = jnp.sum(a, axis=0)
+    return jnp.sum(c, axis=()) + jnp.sum(-c, axis=())
+  x = np.ones((8,), np.float32)
+  closed = jax.make_jaxpr(jax.grad(f))(x)
+  assert reshaped_reads(closed) is closed
+  part = gshard.partition(jax.grad(f), mesh((8,), ("data",)), in_specs=(P("data"),))
+  _check_equal(part(x), jax.jit(jax.grad(f))(x))

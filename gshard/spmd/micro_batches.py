@@ -122,7 +122,7 @@ def _tilings(jaxpr) -> dict:
   inputs = set(jaxpr.invars)
   for e in jaxpr.eqns:
     x = e.invars[0] if e.primitive.name == "slice" else None
-    if x is None or x not in inputs or not _reshapeable(x):
+    if x is None or not _reshapeable(x) or x not in inputs:
       continue
     start, limit, strides = (e.params["start_indices"], e.params["limit_indices"],
                              e.params["strides"])
@@ -173,7 +173,8 @@ def _pad_sums(jaxpr, families) -> dict:
     if piece is not None and (tuple(e.outvars[0].aval.shape), piece[1]) in families:
       family[e.outvars[0]] = piece[:2]
     elif (e.primitive.name == "add_any" and len(e.invars) == 2
-          and all(v in family and uses.get(v) == 1 for v in e.invars)
+          and all(not isinstance(v, Literal) and v in family and uses.get(v) == 1
+                  for v in e.invars)
           and family[e.invars[0]] == family[e.invars[1]]):
       family[e.outvars[0]] = family[e.invars[0]]
       node[e.outvars[0]] = e
@@ -221,8 +222,8 @@ def _as_pieces(e, family, root: bool, pieces: dict) -> list:
 def _equal_split(e, inputs) -> int:
   """``M`` where ``e`` is ``jnp.split(x, K)`` of an input (:func:`_tilings`)
   on the leading dim into ``K >= 2`` pieces of ``M >= 2`` rows; 0 otherwise."""
-  if (e.primitive.name != "split" or e.params["axis"] != 0 or e.invars[0] not in inputs
-      or not _reshapeable(e.invars[0])):
+  if (e.primitive.name != "split" or e.params["axis"] != 0 or not _reshapeable(e.invars[0])
+      or e.invars[0] not in inputs):
     return 0
   sizes = {int(n) for n in e.params["sizes"]}
   rows = sizes.pop() if len(sizes) == 1 else 0
@@ -369,8 +370,8 @@ def _slices(eqn, counter: int) -> dict:
   consts = {v: i for i, v in enumerate(body.invars[:nc])}
   found: dict = {}
   for e in body.eqns:
-    if (e.primitive.name != "dynamic_slice" or e.invars[0] not in consts
-        or not _reshapeable(e.invars[0])):
+    if (e.primitive.name != "dynamic_slice" or not _reshapeable(e.invars[0])
+        or e.invars[0] not in consts):
       continue
     shape, sizes = e.invars[0].aval.shape, e.params["slice_sizes"]
     rows = sizes[0] if shape else 0
