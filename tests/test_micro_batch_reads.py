@@ -74,6 +74,25 @@ def _check_equal(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def _run_drawn(data, step, shape, names, axes, batch: int, nan_in: int):
+  """``step(w, x, y)`` on drawn small integers (a NaN in ``x`` or ``y``,
+  ``nan_in``, if drawn), the batch split over ``axes``: bit for bit
+  ``jax.jit``'s values, and no collective but ppermute, all-to-all and psum.
+  The lowered program."""
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+  w = _ints(rng, (8, 8))
+  xy = [_ints(rng, (batch, 8)), _ints(rng, (batch, 8))]
+  if data.draw(st.booleans(), label="NaN"):
+    xy[nan_in][rng.integers(0, batch), rng.integers(0, 8)] = np.nan
+  spec = P(axes[0] if len(axes) == 1 else axes)
+  part = gshard.partition(step, mesh(shape, names), in_specs=(P(), spec, spec))
+  low = part.lower(w, *xy)
+  _check_equal(part(w, *xy), jax.jit(step)(w, *xy))
+  assert {c.kind for c in low.collectives()} <= {"ppermute", "all_to_all", "psum"}, \
+      low.explain()
+  return low
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fori_accumulation_is_data_parallel_and_equals_one_device(data):
@@ -84,18 +103,7 @@ def test_fori_accumulation_is_data_parallel_and_equals_one_device(data):
   reads this device's rows of the micro-batch (``B / K / n``)."""
   shape, names, sizes, axes, n, count, rows = draw_batch(data)
   form = data.draw(st.sampled_from(["in_dim", "tuple", "with_loss"]), label="form")
-  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
-  w = _ints(rng, (8, 8))
-  x, y = _ints(rng, (count * rows, 8)), _ints(rng, (count * rows, 8))
-  if data.draw(st.booleans(), label="NaN"):
-    x[rng.integers(0, count * rows), rng.integers(0, 8)] = np.nan
-  spec = P(axes[0] if len(axes) == 1 else axes)
-  step = _accumulate(count, form)
-  part = gshard.partition(step, mesh(shape, names), in_specs=(P(), spec, spec))
-  low = part.lower(w, x, y)
-  _check_equal(part(w, x, y), jax.jit(step)(w, x, y))
-  assert {c.kind for c in low.collectives()} <= {"ppermute", "all_to_all", "psum"}, \
-      low.explain()
+  low = _run_drawn(data, _accumulate(count, form), shape, names, axes, count * rows, nan_in=0)
   dots = _loop_dots(low)
   assert dots and all(e.invars[0].aval.shape[0] == rows // n for e in dots), low.explain()
 
@@ -265,18 +273,8 @@ def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
   shape, names, sizes, axes, n, count, rows = draw_batch(data, least=2)
   form = data.draw(st.sampled_from(["slices", "index", "split"]), label="form")
   wrt_x = data.draw(st.booleans(), label="gradient of x too")
-  rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
-  w = _ints(rng, (8, 8))
-  x, y = _ints(rng, (count * rows, 8)), _ints(rng, (count * rows, 8))
-  if data.draw(st.booleans(), label="NaN"):
-    y[rng.integers(0, count * rows), rng.integers(0, 8)] = np.nan
-  spec = P(axes[0] if len(axes) == 1 else axes)
-  step = _unrolled(count, form, wrt_x)
-  part = gshard.partition(step, mesh(shape, names), in_specs=(P(), spec, spec))
-  low = part.lower(w, x, y)
-  _check_equal(part(w, x, y), jax.jit(step)(w, x, y))
-  assert {c.kind for c in low.collectives()} <= {"ppermute", "all_to_all", "psum"}, \
-      low.explain()
+  low = _run_drawn(data, _unrolled(count, form, wrt_x), shape, names, axes, count * rows,
+                   nan_in=1)
   dots = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "dot_general"]
   assert len(dots) >= count and all(
       e.invars[0].aval.shape[0] == rows // n for e in dots), low.explain()
