@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from gshard.spmd import factors, relayout
 from gshard.spmd.graph import Bound, Graph, Tensor, source_of
 from gshard.spmd.partials import settle
+from gshard.spmd.readers import lay_out_for_readers
 from gshard.spmd.sum_scatter import sum_before_scatter
 from gshard.spmd.stacked import stack_as_read
 from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, short_dtype
@@ -275,4 +276,5 @@ def propagate(graph: Graph) -> int:
     t.sharding = sharding
   stack_as_read(graph)
   lay_out_updates(graph, touching)
+  lay_out_for_readers(graph, touching)
   return sweeps
