@@ -11,22 +11,25 @@ mesh, an MLP's ``relu`` gradient with ``w1 [64, 128@(b,a)]`` and
     g     = select(mask, dh, 0)  [32, 128@a*b]   mask moved       512 B
     dW1   = x.T @ g              [64, 128@b*a]   g moved         2048 B
 
-Here each operand a reader moves is tried in the layout that reader wants,
-with the values it is made of through ops that pass a layout through
-(elementwise ops, converts, transposes) and that nothing else reads: above,
-``g``, ``mask`` and ``dh`` in ``b*a``, so ``dh`` moves once (2048 B) and
-nothing else does. Kept only where the factor solver prices every op that
-makes or reads those values, by exact reshard plans, strictly cheaper; only
-moves that keep each value's shard count (never a gather: a value made
-replicated costs every device its compute); never a pinned value, a
-program input or output, or a pending sum.
+Here each operand the partitioner's plan for its reader moves (``partition/
+plan.py``, the plan the partitioner then runs: memoised) is tried in the
+layout that plan reads it in, with the values it is made of back through ops
+that pass a layout through (elementwise ops, converts, transposes; calls run
+inline, such as ``jnp.where``'s jit and ``jax.nn.relu``'s custom_jvp_call):
+above, ``g``, ``mask`` and ``dh`` in ``b*a``, so ``dh`` moves once (2048 B)
+and nothing else does. Kept only where the plans of every op making or
+reading those values send strictly fewer bytes in all (each value's move to
+a layout counted once: the partitioner reuses it); only moves that keep each
+value's shard count (never a gather: a value made replicated costs every
+device its compute); never a pinned value, a program input or output, a
+pending sum, or a value of a loop's or branch's body.
 """
 
 from __future__ import annotations
 
 import math
 
-from gshard.spmd import factors, linearity
+from gshard.spmd import factors, linearity, reshard
 from gshard.spmd.partials import LOOKUPS
 from gshard.spmd.partition import plan
 from gshard.spmd.graph import Graph, Tensor
@@ -38,31 +41,68 @@ def lay_out_for_readers(graph: Graph, touching: dict[int, list[int]]) -> None:
   """Give each operand its reader moves (and the values it is made of) the
   reader's layout where that sends fewer bytes (``touching``: id of a tensor
   -> indices of the bounds naming it). Readers are visited last first, so a
-  chain laid out for a later reader is read as such by an earlier one."""
+  chain laid out for a later reader is read as such by an earlier one; then
+  again, while a sweep kept a chain (at most ``ROUNDS``)."""
   mesh = graph.mesh_sizes
+  scopes = _inline_scopes(graph)
+  seen: dict = {}
   ends = {id(t) for v in list(graph.top.invars) + list(graph.top.outvars)
           if (t := graph.tensor((), v)) is not None}
-  for k in range(len(graph.bounds) - 1, -1, -1):
-    c = graph.bounds[k]
-    if c.scope != () or not any(_free(u, ends) for u in c.operands) or _agrees(c):
-      continue
-    for u, want in _moved(graph, c):
-      if not _free(u, ends) or _shards(want, mesh) < _shards(u.sharding, mesh):
+  for _ in range(ROUNDS):
+    changed = False
+    for k in range(len(graph.bounds) - 1, -1, -1):
+      c = graph.bounds[k]
+      if (c.scope not in scopes or not any(_free(u, ends, scopes) for u in c.operands)
+          or _agrees(c)):
         continue
-      chain = _chain(graph, touching, u, want, ends)
-      if _cheaper(graph, touching, chain):
-        for t, layout in chain.values():
-          t.sharding = layout
+      for u, want in _moved(graph, c, seen):
+        if not _free(u, ends, scopes) or _shards(want, mesh) < _shards(u.sharding, mesh):
+          continue
+        chain = _chain(graph, touching, u, want, ends, scopes)
+        if chain and _cheaper(graph, touching, chain):
+          for t, layout in chain.values():
+            t.sharding = layout
+          changed = True
+    if not changed:
+      break
 
 
 def _shards(s: TensorSharding, mesh) -> int:
   return math.prod(mesh[a] for d in s.dims for a in d)
 
 
-def _free(t: Tensor | None, ends) -> bool:
-  """Whether ``t`` may be laid out anew: made in the top program, unpinned, no
-  program input or output, no sum pending."""
-  return (t is not None and t.scope == () and not t.fixed and id(t) not in ends
+# sweeps over the readers: a chain laid out for an earlier reader can leave a
+# later one moving what it read as it was (each kept chain sends strictly
+# fewer bytes, so they end; this bounds the work)
+ROUNDS = 4
+
+# the most values one chain lays out anew (its ops are planned twice to price it)
+MAX_CHAIN = 256
+
+# calls the partitioner runs inline (their values flow in and out as they are)
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call"})
+
+
+def _inline_scopes(graph: Graph) -> set:
+  """The top scope and the scopes of calls run inline in it (``jnp.where``'s
+  jit, ``jax.nn.relu``'s custom_jvp_call), not loops' or branches' bodies."""
+  scopes = {()}
+  for b in graph.bounds:
+    if b.eqn.primitive.name in _CALLS and b.scope in scopes:
+      scopes.update(t.scope for t in b.operands + b.results if t is not None)
+  return scopes
+
+
+def _link(b) -> bool:
+  """Whether ``b`` links a call's operand or result to its inner jaxpr's."""
+  return b.eqn.primitive.name in _CALLS
+
+
+def _free(t: Tensor | None, ends, scopes) -> bool:
+  """Whether ``t`` may be laid out anew: made in the top program or a call run
+  inline, unpinned, no program input or output, no sum pending."""
+  return (t is not None and t.scope in scopes and not t.fixed and id(t) not in ends
           and not t.sharding.partial)
 
 
@@ -75,25 +115,37 @@ def _agrees(c) -> bool:
       for u, dims in zip(c.operands, c.rule.operands))
 
 
-def _moved(graph: Graph, c) -> list[tuple[Tensor, TensorSharding]]:
+def _moved(graph: Graph, c, seen: dict) -> list[tuple[Tensor, TensorSharding]]:
   """The operands the partitioner's plan for ``c`` moves (not a free slice),
-  each with the layout the plan reads it in."""
-  planned = _plan(graph, c, {})
-  if planned is None:
-    return []
-  out = []
-  for u, s in zip(c.operands, planned[0].operands):
-    if u is None or s is None:
-      continue
-    want, cur = s.without_partial(), u.sharding.without_partial()
-    if want != cur and not is_refinement(cur, want) and all(o is not u for o, _ in out):
-      out.append((u, want))
-  return out
+  each with the layout the plan reads it in. ``seen``: the answer per op,
+  rule and layouts (a model's repeated layers are planned once)."""
+  try:
+    key = (c.eqn.primitive, c.rule, tuple(map(factors.view, c.operands)),
+           tuple(map(factors.view, c.results)), c.marks,
+           tuple(t in graph.zeros for t in c.operands if t is not None),
+           tuple(graph.released.get(t, 0.0) for t in c.results if t is not None))
+    found = seen.get(key)
+  except TypeError:            # a dtype jax cannot hash
+    key, found = None, None
+  if found is None:
+    found = []
+    planned = _plan(graph, c, {})
+    for n, (u, s) in enumerate(zip(c.operands, planned[0].operands if planned else ())):
+      if u is None or s is None:
+        continue
+      want, cur = s.without_partial(), u.sharding.without_partial()
+      if want != cur and not is_refinement(cur, want) and all(
+          c.operands[m] is not u for m, _ in found):
+        found.append((n, want))
+    if key is not None:
+      seen[key] = found
+  return [(c.operands[n], want) for n, want in found]
 
 
-def _chain(graph: Graph, touching, u: Tensor, want: TensorSharding, ends) -> dict:
+def _chain(graph: Graph, touching, u: Tensor, want: TensorSharding, ends, scopes) -> dict:
   """id -> (tensor, layout): ``u`` in ``want`` and the values it is made of
-  through ops passing a layout through, read by nothing but those ops."""
+  through ops passing a layout through (their other readers are priced with
+  them); empty past ``MAX_CHAIN`` values."""
   mesh = graph.mesh_sizes
   chain, stack = {id(u): (u, want)}, [u]
   while stack:
@@ -101,16 +153,16 @@ def _chain(graph: Graph, touching, u: Tensor, want: TensorSharding, ends) -> dic
     layout = chain[id(t)][1]
     for k in touching.get(id(t), ()):
       b = graph.bounds[k]
-      if b.scope != () or not any(r is t for r in b.results):
+      if b.scope not in scopes or not any(r is t for r in b.results):
         continue
       choice = factors.project(b.rule.results[0], layout.dims, b.rule.size_of, mesh)
       for n, v in enumerate(b.operands):
-        if (_free(v, ends) and id(v) not in chain and _passes(b.rule, n)
-            and all(j == k for j in touching.get(id(v), ()) if any(
-                o is v for o in graph.bounds[j].operands))):
+        if (_free(v, ends, scopes) and id(v) not in chain and _passes(b.rule, n)):
           dims = factors.unproject(b.rule.operands[n], choice, b.rule.size_of, mesh)
           chain[id(v)] = (v, TensorSharding(tuple(dims)))
           stack.append(v)
+          if len(chain) > MAX_CHAIN:
+            return {}          # priced op by op, a longer chain costs more than it saves
   return chain
 
 
@@ -122,12 +174,55 @@ def _cheaper(graph: Graph, touching, chain: dict) -> bool:
   ops = [graph.bounds[k] for k in sorted({k for t, _ in chain.values()
                                           for k in touching.get(id(t), ())})]
   new = {id(t): layout for t, layout in chain.values()}
-  old = [_plan(graph, b, {}) for b in ops]
-  if any(p is None for p in old):
-    return False
-  after = [_plan(graph, b, new) for b in ops]
-  return sum(plan._plan_cost(graph.mesh_sizes, p[1], p[2], p[0]) for p in after) < sum(
-      plan._plan_cost(graph.mesh_sizes, p[1], p[2], p[0]) for p in old)
+  old = _bytes(graph, ops, {})
+  return old is not None and _bytes(graph, ops, new) < old
+
+
+def _bytes(graph: Graph, ops, layouts: dict) -> float | None:
+  """Bytes per device of ``ops`` as the partitioner plans them, with the
+  tensors of ``layouts`` in theirs: each operand's move to a layout counted
+  once (the partitioner reuses a reshard for every op reading that layout);
+  a call's link, which its value passes as it is, counted as the move from
+  the one side's layout to the other's (what the ops on the far side then
+  move, at most). None where an op is not planned from its factor rule."""
+  mesh = graph.mesh_sizes
+  moves: dict[tuple, float] = {}
+  total = 0.0
+  for b in ops:
+    if _link(b):
+      (src,), (dst,) = b.operands, b.results
+      if src is not None and dst is not None:
+        a, z = (layouts.get(id(t), t.sharding).without_partial() for t in (src, dst))
+        if a != z and not is_refinement(a, z):
+          moves[(id(src), z)] = reshard.plan_reshard(
+              a, z, tuple(dst.shape), dst.dtype, mesh).bytes_per_device
+      continue
+    p = _plan(graph, b, layouts)
+    if p is None:
+      return None
+    local, ins, outs = p
+    for t, v, s in zip(b.operands, ins, local.operands):
+      if s is not None and v.sharding != s:
+        s = s.with_partial(s.partial & v.sharding.partial)
+        moves[(id(t), s)] = reshard.plan_reshard(v.sharding, s, v.shape, v.dtype,
+                                                 mesh).bytes_per_device
+    total += plan._plan_cost(mesh, (), outs, local)     # its results' moves
+  return total + sum(moves.values())
+
+
+def _rule(b):
+  """``b``'s rule where the partitioner plans its op from it (its one factor
+  rule), else None; kept on the bound (the pass asks again for each chain)."""
+  try:
+    return b._planned
+  except AttributeError:
+    pass
+  try:
+    rule = plan.factor_rule_of(b.eqn)
+  except TypeError:            # a call, an op of several constraints
+    rule = None
+  b._planned = rule if rule is b.rule or rule == b.rule else None
+  return b._planned
 
 
 def _plan(graph: Graph, b, layouts: dict):
@@ -137,11 +232,8 @@ def _plan(graph: Graph, b, layouts: dict):
   targets); None for an op not planned from its one factor rule (a call, an
   op of several constraints)."""
   eqn = b.eqn
-  try:
-    rule = plan.factor_rule_of(eqn)
-  except TypeError:
-    return None
-  if rule != b.rule:
+  rule = _rule(b)
+  if rule is None:
     return None
 
   def layout(t):
@@ -153,7 +245,7 @@ def _plan(graph: Graph, b, layouts: dict):
     return factors._View(layouts[id(t)], t.fixed, tuple(t.shape), t.dtype)
   marks = rule.linear in linearity.READS_LITERALS
   ins = tuple(plan._In(None if t is None else layout(t), tuple(v.aval.shape), v.aval.dtype,
-                       graph.mark_of((), v) if marks else None)
+                       graph.mark_of(b.scope, v) if marks else None)
               for t, v in zip(b.operands, eqn.invars))
   lookup = eqn.primitive.name in LOOKUPS
   outs = tuple(plan._Out(None if t is None else layout(t), tuple(v.aval.shape), v.aval.dtype,

@@ -168,8 +168,8 @@ class TensorSharding:
     return TensorSharding(self.dims, frozenset(axes))
 
   def without_partial(self) -> TensorSharding:
-    """The same dims, nothing pending."""
-    return TensorSharding(self.dims)
+    """The same dims, nothing pending (itself where nothing is)."""
+    return TensorSharding(self.dims) if self.partial else self
 
   def transpose(self, permutation: Sequence[int]) -> TensorSharding:
     """Dims permuted like ``lax.transpose``: ``[a,_].transpose((1,0)) == [_,a]``."""
