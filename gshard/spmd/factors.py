@@ -20,6 +20,7 @@ A tensor here is anything with ``sharding``, ``fixed`` (dims a user pinned),
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -119,12 +120,11 @@ class Holder:
 def holders(rule: FactorRule, operands: Sequence[Held | None],
             results: Sequence[Held | None], mesh) -> tuple[dict[str, list[Holder]], list]:
   """Per factor, every tensor holding it; and the (tensor, dims) pairs named."""
-  size_of = rule.size_of
   out: dict[str, list[Holder]] = {f: [] for f in rule.factors}
   pairs = [(t, d) for t, d in zip(list(operands) + list(results),
                                    rule.operands + rule.results) if t is not None]
   for order, (t, dims) in enumerate(pairs):
-    proj = project(dims, t.sharding.dims, size_of, mesh)
+    proj = project(dims, t.sharding.dims, rule.size_of, mesh)   # (made once per rule)
     for i, factors in enumerate(dims):
       for f in factors:
         out[f].append(Holder(t, proj.get(f, ()), i in t.fixed, order))
@@ -200,19 +200,22 @@ class _View:
 
 
 def view(t: Held | None):
-  """A tensor's hashable view (None stays None): what :func:`solve` reads of it.
-  Kept on the tensor until its sharding or pins change."""
+  """A tensor's hashable view (None stays None): what :func:`solve` reads of it,
+  kept on the tensor until its sharding or pins change."""
   if t is None or isinstance(t, _View):
     return t
   v = getattr(t, "_solver_view", None)
   if v is not None and v.sharding is t.sharding and v.fixed is t.fixed:
     return v
   v = _View(t.sharding, t.fixed, tuple(t.shape), t.dtype)
-  try:
+  with contextlib.suppress(AttributeError):   # a tensor type that takes no new attributes
     t._solver_view = v
-  except AttributeError:     # a tensor type that takes no new attributes
-    pass
   return v
+
+
+def view_as(t: Held, sharding: TensorSharding, fixed=frozenset()):
+  """:func:`view` of ``t`` as if laid out as ``sharding`` and pinned in ``fixed``."""
+  return _View(sharding, frozenset(fixed), tuple(t.shape), t.dtype)
 
 
 def solve(rule: FactorRule, operands: Sequence[Held | None],
@@ -488,8 +491,7 @@ def making_bytes(rule: FactorRule, operands: Sequence[Held | None],
                  mesh) -> float:
   """Bytes per device the op of ``rule`` sends (operands moved, its sum
   resolved, by the settled solve) to make its result ``t`` in ``layout``."""
-  made = _View(layout, frozenset(range(len(t.shape))), tuple(t.shape), t.dtype)
-  results = [made if r is t else view(r) for r in results]
+  results = [view_as(t, layout, range(len(t.shape))) if r is t else view(r) for r in results]
   operands = [view(o) for o in operands]
   choice = solve(rule, operands, results, mesh, settled=True)
   _, pairs = holders(rule, operands, results, mesh)

@@ -30,45 +30,10 @@ from __future__ import annotations
 import math
 
 from gshard.spmd import factors, linearity, reshard
-from gshard.spmd.partials import LOOKUPS
 from gshard.spmd.partition import plan
 from gshard.spmd.graph import Graph, Tensor
 from gshard.spmd.sharding import TensorSharding, is_refinement
-from gshard.spmd.updates import _passes
-
-
-def lay_out_for_readers(graph: Graph, touching: dict[int, list[int]]) -> None:
-  """Give each operand its reader moves (and the values it is made of) the
-  reader's layout where that sends fewer bytes (``touching``: id of a tensor
-  -> indices of the bounds naming it). Readers are visited last first, so a
-  chain laid out for a later reader is read as such by an earlier one; then
-  again, while a sweep kept a chain (at most ``ROUNDS``)."""
-  mesh = graph.mesh_sizes
-  scopes = _inline_scopes(graph)
-  seen: dict = {}
-  ends = {id(t) for v in list(graph.top.invars) + list(graph.top.outvars)
-          if (t := graph.tensor((), v)) is not None}
-  for _ in range(ROUNDS):
-    changed = False
-    for k in range(len(graph.bounds) - 1, -1, -1):
-      c = graph.bounds[k]
-      if (c.scope not in scopes or not any(_free(u, ends, scopes) for u in c.operands)
-          or _agrees(c)):
-        continue
-      for u, want in _moved(graph, c, seen):
-        if not _free(u, ends, scopes) or _shards(want, mesh) < _shards(u.sharding, mesh):
-          continue
-        chain = _chain(graph, touching, u, want, ends, scopes)
-        if chain and _cheaper(graph, touching, chain):
-          for t, layout in chain.values():
-            t.sharding = layout
-          changed = True
-    if not changed:
-      break
-
-
-def _shards(s: TensorSharding, mesh) -> int:
-  return math.prod(mesh[a] for d in s.dims for a in d)
+from gshard.spmd.updates import passes
 
 
 # sweeps over the readers: a chain laid out for an earlier reader can leave a
@@ -84,26 +49,22 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call"
                     "custom_vjp_call"})
 
 
-def _inline_scopes(graph: Graph) -> set:
-  """The top scope and the scopes of calls run inline in it (``jnp.where``'s
-  jit, ``jax.nn.relu``'s custom_jvp_call), not loops' or branches' bodies."""
-  scopes = {()}
-  for b in graph.bounds:
-    if b.eqn.primitive.name in _CALLS and b.scope in scopes:
-      scopes.update(t.scope for t in b.operands + b.results if t is not None)
-  return scopes
+def lay_out_for_readers(graph: Graph, touching: dict[int, list[int]]) -> None:
+  """Give each operand its reader moves (and the values it is made of) the
+  reader's layout where that sends fewer bytes (``touching``: id of a tensor
+  -> indices of the bounds naming it). Readers are visited last first, so a
+  chain laid out for a later reader is read as such by an earlier one; then
+  again, while a sweep kept a chain (at most ``ROUNDS``)."""
+  _Pass(graph, touching).run()
+
+
+def _shards(s: TensorSharding, mesh) -> int:
+  return math.prod(mesh[a] for d in s.dims for a in d)
 
 
 def _link(b) -> bool:
   """Whether ``b`` links a call's operand or result to its inner jaxpr's."""
   return b.eqn.primitive.name in _CALLS
-
-
-def _free(t: Tensor | None, ends, scopes) -> bool:
-  """Whether ``t`` may be laid out anew: made in the top program or a call run
-  inline, unpinned, no program input or output, no sum pending."""
-  return (t is not None and t.scope in scopes and not t.fixed and id(t) not in ends
-          and not t.sharding.partial)
 
 
 def _agrees(c) -> bool:
@@ -115,146 +76,164 @@ def _agrees(c) -> bool:
       for u, dims in zip(c.operands, c.rule.operands))
 
 
-def _moved(graph: Graph, c, seen: dict) -> list[tuple[Tensor, TensorSharding]]:
-  """The operands the partitioner's plan for ``c`` moves (not a free slice),
-  each with the layout the plan reads it in. ``seen``: the answer per op,
-  rule and layouts (a model's repeated layers are planned once)."""
-  try:
-    key = (c.eqn.primitive, c.rule, tuple(map(factors.view, c.operands)),
-           tuple(map(factors.view, c.results)), c.marks,
-           tuple(t in graph.zeros for t in c.operands if t is not None),
-           tuple(graph.released.get(t, 0.0) for t in c.results if t is not None))
-    found = seen.get(key)
-  except TypeError:            # a dtype jax cannot hash
-    key, found = None, None
-  if found is None:
-    found = []
-    planned = _plan(graph, c, {})
-    for n, (u, s) in enumerate(zip(c.operands, planned[0].operands if planned else ())):
-      if u is None or s is None:
+class _Pass:
+  """One run of :func:`lay_out_for_readers` over a graph, with its caches."""
+
+  def __init__(self, graph: Graph, touching: dict[int, list[int]]):
+    self.graph, self.touching, self.mesh = graph, touching, graph.mesh_sizes
+    # the top scope and those of calls run inline in it (jnp.where's jit,
+    # jax.nn.relu's custom_jvp_call), not loops' or branches' bodies
+    self.scopes = {()}
+    for b in graph.bounds:
+      if _link(b) and b.scope in self.scopes:
+        self.scopes.update(t.scope for t in b.operands + b.results if t is not None)
+    self.ends = {id(t) for v in list(graph.top.invars) + list(graph.top.outvars)
+                 if (t := graph.tensor((), v)) is not None}
+    self.moves: dict = {}      # _moved's answer per op, rule and layouts
+    self.rules: dict = {}      # id(bound) -> its planned factor rule, or None
+
+  def run(self) -> None:
+    for _ in range(ROUNDS):
+      changed = False
+      for k in range(len(self.graph.bounds) - 1, -1, -1):
+        c = self.graph.bounds[k]
+        if (c.scope not in self.scopes or not any(map(self.free, c.operands))
+            or _agrees(c)):
+          continue
+        for u, want in self.moved(c):
+          if not self.free(u) or _shards(want, self.mesh) < _shards(u.sharding, self.mesh):
+            continue
+          chain = self.chain(u, want)
+          if chain and self.cheaper(chain):
+            for t, layout in chain.values():
+              t.sharding = layout
+            changed = True
+      if not changed:
+        break
+
+  def free(self, t: Tensor | None) -> bool:
+    """Whether ``t`` may be laid out anew: made in the top program or a call
+    run inline, unpinned, no program input or output, no sum pending."""
+    return (t is not None and t.scope in self.scopes and not t.fixed
+            and id(t) not in self.ends and not t.sharding.partial)
+
+  def moved(self, c) -> list[tuple[Tensor, TensorSharding]]:
+    """The operands the partitioner's plan for ``c`` moves (not a free
+    slice), each with the layout the plan reads it in (memoised per op, rule
+    and layouts: a model's repeated layers are planned once)."""
+    g = self.graph
+    try:
+      key = (c.eqn.primitive, c.rule, tuple(map(factors.view, c.operands)),
+             tuple(map(factors.view, c.results)), c.marks,
+             tuple(t in g.zeros for t in c.operands if t is not None),
+             tuple(g.released.get(t, 0.0) for t in c.results if t is not None))
+      found = self.moves.get(key)
+    except TypeError:          # a dtype jax cannot hash
+      key, found = None, None
+    if found is None:
+      found = []
+      planned = self.plan(c, {})
+      for n, (u, s) in enumerate(zip(c.operands, planned[0].operands if planned else ())):
+        if u is None or s is None:
+          continue
+        want, cur = s.without_partial(), u.sharding.without_partial()
+        if want != cur and not is_refinement(cur, want) and all(
+            c.operands[m] is not u for m, _ in found):
+          found.append((n, want))
+      if key is not None:
+        self.moves[key] = found
+    return [(c.operands[n], want) for n, want in found]
+
+  def chain(self, u: Tensor, want: TensorSharding) -> dict:
+    """id -> (tensor, layout): ``u`` in ``want`` and the values it is made of
+    through ops passing a layout through (their other readers are priced
+    with them); empty past ``MAX_CHAIN`` values."""
+    g = self.graph
+    chain, stack = {id(u): (u, want)}, [u]
+    while stack:
+      t = stack.pop()
+      layout = chain[id(t)][1]
+      for k in self.touching.get(id(t), ()):
+        b = g.bounds[k]
+        if b.scope not in self.scopes or not any(r is t for r in b.results):
+          continue
+        choice = factors.project(b.rule.results[0], layout.dims, b.rule.size_of, self.mesh)
+        for n, v in enumerate(b.operands):
+          if self.free(v) and id(v) not in chain and passes(b.rule, n):
+            dims = factors.unproject(b.rule.operands[n], choice, b.rule.size_of, self.mesh)
+            chain[id(v)] = (v, TensorSharding(tuple(dims)))
+            stack.append(v)
+            if len(chain) > MAX_CHAIN:
+              return {}        # priced op by op, a longer chain costs more than it saves
+    return chain
+
+  def cheaper(self, chain: dict) -> bool:
+    """Whether every op making or reading ``chain``'s values sends strictly
+    fewer bytes, as the partitioner plans them, with those values laid out
+    as ``chain`` says than as propagated (False where an op is not planned
+    from its one factor rule)."""
+    ops = [self.graph.bounds[k] for k in sorted({k for t, _ in chain.values()
+                                                 for k in self.touching.get(id(t), ())})]
+    old = self.bytes(ops, {})
+    return old is not None and self.bytes(
+        ops, {id(t): layout for t, layout in chain.values()}) < old
+
+  def bytes(self, ops, layouts: dict) -> float | None:
+    """Bytes per device of ``ops`` as the partitioner plans them, with the
+    tensors of ``layouts`` in theirs: each operand's move to a layout counted
+    once (the partitioner reuses a reshard for every op reading that
+    layout); a call's link, which its value passes as it is, counted as the
+    move from the one side's layout to the other's (what the ops on the far
+    side then move, at most). None where an op is not planned from its
+    factor rule."""
+    mesh = self.mesh
+    moves: dict[tuple, float] = {}
+    total = 0.0
+    for b in ops:
+      if _link(b):
+        (src,), (dst,) = b.operands, b.results
+        if src is not None and dst is not None:
+          a, z = (layouts.get(id(t), t.sharding).without_partial() for t in (src, dst))
+          if a != z and not is_refinement(a, z):
+            moves[(id(src), z)] = reshard.plan_reshard(
+                a, z, tuple(dst.shape), dst.dtype, mesh).bytes_per_device
         continue
-      want, cur = s.without_partial(), u.sharding.without_partial()
-      if want != cur and not is_refinement(cur, want) and all(
-          c.operands[m] is not u for m, _ in found):
-        found.append((n, want))
-    if key is not None:
-      seen[key] = found
-  return [(c.operands[n], want) for n, want in found]
+      p = self.plan(b, layouts)
+      if p is None:
+        return None
+      local, ins, outs = p
+      for t, v, s in zip(b.operands, ins, local.operands):
+        if s is not None and v.sharding != s:
+          s = s.with_partial(s.partial & v.sharding.partial)
+          moves[(id(t), s)] = reshard.plan_reshard(v.sharding, s, v.shape, v.dtype,
+                                                   mesh).bytes_per_device
+      total += plan.plan_cost(mesh, (), outs, local)     # its results' moves
+    return total + sum(moves.values())
 
-
-def _chain(graph: Graph, touching, u: Tensor, want: TensorSharding, ends, scopes) -> dict:
-  """id -> (tensor, layout): ``u`` in ``want`` and the values it is made of
-  through ops passing a layout through (their other readers are priced with
-  them); empty past ``MAX_CHAIN`` values."""
-  mesh = graph.mesh_sizes
-  chain, stack = {id(u): (u, want)}, [u]
-  while stack:
-    t = stack.pop()
-    layout = chain[id(t)][1]
-    for k in touching.get(id(t), ()):
-      b = graph.bounds[k]
-      if b.scope not in scopes or not any(r is t for r in b.results):
-        continue
-      choice = factors.project(b.rule.results[0], layout.dims, b.rule.size_of, mesh)
-      for n, v in enumerate(b.operands):
-        if (_free(v, ends, scopes) and id(v) not in chain and _passes(b.rule, n)):
-          dims = factors.unproject(b.rule.operands[n], choice, b.rule.size_of, mesh)
-          chain[id(v)] = (v, TensorSharding(tuple(dims)))
-          stack.append(v)
-          if len(chain) > MAX_CHAIN:
-            return {}          # priced op by op, a longer chain costs more than it saves
-  return chain
-
-
-def _cheaper(graph: Graph, touching, chain: dict) -> bool:
-  """Whether every op making or reading ``chain``'s values sends strictly fewer
-  bytes, as the partitioner plans them, with those values laid out as
-  ``chain`` says than as propagated (False where an op is not planned from
-  its one factor rule)."""
-  ops = [graph.bounds[k] for k in sorted({k for t, _ in chain.values()
-                                          for k in touching.get(id(t), ())})]
-  new = {id(t): layout for t, layout in chain.values()}
-  old = _bytes(graph, ops, {})
-  return old is not None and _bytes(graph, ops, new) < old
-
-
-def _bytes(graph: Graph, ops, layouts: dict) -> float | None:
-  """Bytes per device of ``ops`` as the partitioner plans them, with the
-  tensors of ``layouts`` in theirs: each operand's move to a layout counted
-  once (the partitioner reuses a reshard for every op reading that layout);
-  a call's link, which its value passes as it is, counted as the move from
-  the one side's layout to the other's (what the ops on the far side then
-  move, at most). None where an op is not planned from its factor rule."""
-  mesh = graph.mesh_sizes
-  moves: dict[tuple, float] = {}
-  total = 0.0
-  for b in ops:
-    if _link(b):
-      (src,), (dst,) = b.operands, b.results
-      if src is not None and dst is not None:
-        a, z = (layouts.get(id(t), t.sharding).without_partial() for t in (src, dst))
-        if a != z and not is_refinement(a, z):
-          moves[(id(src), z)] = reshard.plan_reshard(
-              a, z, tuple(dst.shape), dst.dtype, mesh).bytes_per_device
-      continue
-    p = _plan(graph, b, layouts)
-    if p is None:
+  def plan(self, b, layouts: dict):
+    """The partitioner's local plan for ``b``'s op (``plan.plan_of``:
+    memoised, so the partitioner reuses it), with the tensors of ``layouts``
+    in theirs, and what it reads; None for an op not planned from its one
+    factor rule (a call, an op of several constraints)."""
+    rule = self.rules.get(id(b), False)
+    if rule is False:
+      try:
+        rule = plan.factor_rule_of(b.eqn)
+      except TypeError:
+        rule = None
+      if rule is not None and rule is not b.rule and rule != b.rule:
+        rule = None
+      self.rules[id(b)] = rule
+    if rule is None:
       return None
-    local, ins, outs = p
-    for t, v, s in zip(b.operands, ins, local.operands):
-      if s is not None and v.sharding != s:
-        s = s.with_partial(s.partial & v.sharding.partial)
-        moves[(id(t), s)] = reshard.plan_reshard(v.sharding, s, v.shape, v.dtype,
-                                                 mesh).bytes_per_device
-    total += plan._plan_cost(mesh, (), outs, local)     # its results' moves
-  return total + sum(moves.values())
 
-
-def _rule(b):
-  """``b``'s rule where the partitioner plans its op from it (its one factor
-  rule), else None; kept on the bound (the pass asks again for each chain)."""
-  try:
-    return b._planned
-  except AttributeError:
-    pass
-  try:
-    rule = plan.factor_rule_of(b.eqn)
-  except TypeError:            # a call, an op of several constraints
-    rule = None
-  b._planned = rule if rule is b.rule or rule == b.rule else None
-  return b._planned
-
-
-def _plan(graph: Graph, b, layouts: dict):
-  """The partitioner's local plan for ``b``'s op, with the tensors of
-  ``layouts`` in theirs (as ``plan.plan_local`` builds it: memoised, so the
-  partitioner reuses it), and what it reads (operands as they arrive, results'
-  targets); None for an op not planned from its one factor rule (a call, an
-  op of several constraints)."""
-  eqn = b.eqn
-  rule = _rule(b)
-  if rule is None:
-    return None
-
-  def layout(t):
-    return layouts.get(id(t), t.sharding)
-
-  def seen(t):
-    if t is None or id(t) not in layouts:
-      return factors.view(t)
-    return factors._View(layouts[id(t)], t.fixed, tuple(t.shape), t.dtype)
-  marks = rule.linear in linearity.READS_LITERALS
-  ins = tuple(plan._In(None if t is None else layout(t), tuple(v.aval.shape), v.aval.dtype,
-                       graph.mark_of(b.scope, v) if marks else None)
-              for t, v in zip(b.operands, eqn.invars))
-  lookup = eqn.primitive.name in LOOKUPS
-  outs = tuple(plan._Out(None if t is None else layout(t), tuple(v.aval.shape), v.aval.dtype,
-                         graph.released.get(t, 0.0) if lookup and t is not None else 0.0)
-               for t, v in zip(b.results, eqn.outvars))
-  key = (rule, ins, tuple(map(seen, b.operands)), tuple(map(seen, b.results)), outs,
-         frozenset(), False, eqn.primitive.name in plan.CONTRACTIONS,
-         lookup or eqn.primitive.name in plan.PIECES, tuple(graph.mesh_sizes.items()))
-  try:
-    return plan._plan_memo(*key), ins, outs
-  except TypeError:            # a dtype jax cannot hash
-    return plan._plan(*key), ins, outs
+    def seen(t):
+      if t is None or id(t) not in layouts:
+        return factors.view(t)
+      return factors.view_as(t, layouts[id(t)], t.fixed)
+    g = self.graph
+    marks = ([g.mark_of(b.scope, v) for v in b.eqn.invars]
+             if rule.linear in linearity.READS_LITERALS else [None] * len(b.operands))
+    released = [0.0 if t is None else g.released.get(t, 0.0) for t in b.results]
+    return plan.plan_of(rule, b.eqn, [seen(t) for t in b.operands],
+                        [seen(t) for t in b.results], marks, released, self.mesh)

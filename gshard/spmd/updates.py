@@ -70,7 +70,7 @@ def _own(graph: Graph, touching, t: Tensor, chain: dict) -> bool:
   return made or not read
 
 
-def _passes(rule, k: int) -> bool:
+def passes(rule, k: int) -> bool:
   """Whether operand ``k`` of ``rule`` holds exactly its result's factors, one
   per dim: its layout follows the result's."""
   if len(rule.results) != 1 or rule.reduction or rule.blocked:
@@ -83,7 +83,7 @@ def _passes(rule, k: int) -> bool:
 def _passes_through(b) -> bool:
   """Whether ``b``'s op only passes its operands' layout on (a scalar or a
   literal beside them): it makes no value of a chain, the chain runs through it."""
-  return b.scope == () and all(o is None or not b.rule.operands[n] or _passes(b.rule, n)
+  return b.scope == () and all(o is None or not b.rule.operands[n] or passes(b.rule, n)
                                for n, o in enumerate(b.operands))
 
 
@@ -102,7 +102,7 @@ def _chain(graph: Graph, touching, out: Tensor, want: TensorSharding) -> dict:
       choice = factors.project(b.rule.results[0], layout.dims, b.rule.size_of, mesh)
       for n, u in enumerate(b.operands):
         if (u is not None and not u.fixed and id(u) not in chain and u.scope == ()
-            and _passes(b.rule, n)):
+            and passes(b.rule, n)):
           dims = factors.unproject(b.rule.operands[n], choice, b.rule.size_of, mesh)
           chain[id(u)] = (u, TensorSharding(tuple(dims)))
           stack.append(u)

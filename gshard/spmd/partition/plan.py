@@ -148,6 +148,32 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   return _plan_memo(*key)
 
 
+def plan_of(rule: FactorRule, eqn, operands, results, marks, released,
+            mesh) -> tuple[LocalPlan, tuple, tuple]:
+  """:func:`plan_local` before the partition runs: the plan of ``eqn`` (its
+  factor ``rule``) from its tensors as propagation holds them or as asked
+  (``operands``/``results``: anything with ``sharding``, ``fixed``, ``shape``
+  and ``dtype``; None for a literal or a dropped result), ``marks``: each
+  operand's linearity mark, ``released``: each result's pending-sum cost (a
+  lookup's). Memoised with the partitioner's plans (one key where the
+  layouts are the propagated ones). Returns the plan and what
+  :func:`plan_cost` reads of the operands and results."""
+  name = eqn.primitive.name
+  lookup = name in LOOKUPS
+  ins = tuple(_In(None if t is None else t.sharding, tuple(v.aval.shape), v.aval.dtype, m)
+              for t, v, m in zip(operands, eqn.invars, marks))
+  outs = tuple(_Out(None if t is None else t.sharding, tuple(v.aval.shape), v.aval.dtype,
+                    r if lookup else 0.0)
+               for t, v, r in zip(results, eqn.outvars, released))
+  key = (rule, ins, tuple(map(factors.view, operands)), tuple(map(factors.view, results)),
+         outs, frozenset(), False, name in CONTRACTIONS, lookup or name in PIECES,
+         tuple(mesh.items()))
+  try:
+    return _plan_memo(*key), ins, outs
+  except TypeError:          # a dtype jax cannot hash
+    return _plan(*key), ins, outs
+
+
 @functools.lru_cache(maxsize=1 << 15)
 def _plan_memo(*key) -> LocalPlan:
   return _plan(*key)
@@ -173,7 +199,7 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
   base = min(1, len(plans) - 1)          # the operands' own layout
   if len(made) == 1 and not (contraction or relocate):   # one candidate: nothing to weigh
     return plans[0]
-  cost = {k: _plan_cost(mesh, ins, outs, p) for k, p in made.items()}
+  cost = {k: plan_cost(mesh, ins, outs, p) for k, p in made.items()}
   costs = [cost[k] for k in keys]
   # Option (c) runs only where its operand reshards hold no more than those
   # of the plans it competes with (the operands as they arrive, an
@@ -195,7 +221,7 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
       made[k] = p = _plan_for(mesh, ins, rule, c, blocked, allow_other_reduction)
       if _footprint(mesh, ins, outs, p) <= held:
         plans.append(p)
-        costs.append(_plan_cost(mesh, ins, outs, p))
+        costs.append(plan_cost(mesh, ins, outs, p))
         grows.append(_operand_growth(mesh, ins, p))
         eligible.append(len(plans) - 1)
   best = min(eligible, key=lambda k: (costs[k], k))
@@ -338,7 +364,7 @@ def _result_target(o: _Out, s: TensorSharding) -> tuple[TensorSharding, float]:
   return o.target.with_partial(o.target.partial & s.partial), later
 
 
-def _plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
+def plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
   """Bytes per device to reshard operands into ``plan`` and results out of it
   (and a lookup's pending sum where it is resolved downstream)."""
   total = 0

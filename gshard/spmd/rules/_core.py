@@ -15,6 +15,7 @@ variables of its inner jaxpr, and pins).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import string
 from collections.abc import Callable, Mapping, Sequence
@@ -71,12 +72,12 @@ class FactorRule:
     if self.linear not in LINEARITIES:
       raise ValueError(f"linear={self.linear!r} is not one of {LINEARITIES}")
 
-  @property
+  @functools.cached_property
   def size_of(self) -> Mapping[str, int]:
-    """Factor name -> size."""
+    """Factor name -> size (made once per rule: read it, never write it)."""
     return dict(self.sizes)
 
-  @property
+  @functools.cached_property
   def factors(self) -> tuple[str, ...]:
     """Every factor, in order of first appearance (operands, then results)."""
     seen: dict[str, None] = {}
