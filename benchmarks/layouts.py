@@ -153,15 +153,18 @@ def write_doc(rows: list[dict], seed: int, load: tuple[float, float]) -> None:
                  f"{r['gshard']:.0f} | {r['gspmd']:.0f} | {r['gshard'] / r['gspmd']:.2f}x |")
   lines += [
       "",
-      "Reading (from the reports of the cases where gshard sends more): in the "
-      "largest, the first dot's two pinned operands want one mesh axis, `x [32, 64@a]` "
-      "on the contracted dim and `w1 [64, 128@(b,a)]` on its output dim. Propagation "
-      "prices the partial sum at its least (a reduce-scatter), the two choices tie, and "
-      "gshard keeps `a` on the contracted dim (an all-to-all of `w1`, then a psum), "
-      "where GSPMD gathers `x` and computes `h` in `w1`'s layout. In the others (a few "
-      "percent), the relu mask moves to the layout of the gradient's `select_n` (512 B "
-      "to 1 KiB) where GSPMD moves the gradient after its dot: gshard lays out the "
-      "select by what that op alone moves.",
+      "Reading (from the reports of the cases where gshard sends more): each operand "
+      "an op's plan moves is tried in the layout that op reads it in, with the values "
+      "it is made of back through elementwise ops and calls run inline "
+      "(`spmd/readers.py`): a relu gradient's select no longer moves the forward's mask "
+      "to the gradient's layout only for the weight gradient's dot to move its result "
+      "back. What is left: in the largest, the weight gradient and the gradient its dot "
+      "reads would have to move together (the update moves `dW1` after its dot, "
+      "`[64@b,128@a]` to `w1`'s `b*a`; moving either alone sends as much), and the pass "
+      "prices one value and its elementwise chain at a time. In the others, the "
+      "weight gradient's dot reads the activation the forward pass gathered (the "
+      "partitioner reuses that copy); the pass plans each op without the copies "
+      "earlier ops made, so it sees a gather where the partitioner moves the gradient.",
       "",
   ]
   with open(DOC, "w") as fh:
@@ -170,7 +173,7 @@ def write_doc(rows: list[dict], seed: int, load: tuple[float, float]) -> None:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--layouts", type=int, default=100)
+  ap.add_argument("--layouts", type=int, default=300)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--no-doc", action="store_true")
   args = ap.parse_args()
