@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,56 +24,13 @@ from jax.sharding import PartitionSpec as P
 import gshard
 from benchmarks import hlo
 from gshard.spmd import propagate
+import helpers_mlp
 import helpers_partition
 from helpers_partition import assert_within_ulps, mesh
 
-CHOICES = (None, "a", "b", ("a", "b"), ("b", "a"))
-
-
-def _grad(p, x):
-  def loss(p):
-    h = jax.nn.relu(x @ p["w1"])
-    return jnp.sum((h @ p["w2"]) ** 2)
-  return jax.grad(loss)(p)
-
-
-def _sgd(p, x):
-  return jax.tree.map(lambda w, g: w - 0.01 * g, p, _grad(p, x))
-
-
-def _clipped(p, x):      # the gradients also read by their global norm
-  g = _grad(p, x)
-  s = jnp.minimum(1.0, 1.0 / optax.tree.norm(g))
-  return jax.tree.map(lambda w, g: w - 0.01 * g * s, p, g)
-
-
-def _decayed(p, x):      # the weight read by its own update
-  return jax.tree.map(lambda w, g: w - 0.01 * (g + 0.1 * w), p, _grad(p, x))
-
-
-def _adam(p, x):         # moments made from the gradient, then the update
-  opt = optax.adam(1e-2)
-  updates, _ = opt.update(_grad(p, x), opt.init(p), p)
-  return optax.apply_updates(p, updates)
-
-
-def _leaky(p, x):        # jnp.where (a jit call) and tanh: values of calls run inline
-  def loss(p):
-    h = x @ p["w1"]
-    h = jnp.where(h > 0, h, 0.1 * jnp.tanh(h))
-    return jnp.sum((h @ p["w2"]) ** 2)
-  return jax.tree.map(lambda w, g: w - 0.01 * g, p, jax.grad(loss)(p))
-
-
-STEPS = {"sgd": _sgd, "clipped": _clipped, "decayed": _decayed, "adam": _adam,
-         "leaky": _leaky}
-
-
-def _args():
-  k = np.random.default_rng(0)
-  p = {"w1": jnp.asarray(k.standard_normal((64, 128)) / 8, jnp.float32),
-       "w2": jnp.asarray(k.standard_normal((128, 64)) / 8, jnp.float32)}
-  return p, jnp.asarray(k.standard_normal((32, 64)), jnp.float32)
+CHOICES = helpers_mlp.CHOICES
+STEPS = helpers_mlp.STEPS
+_sgd, _args = helpers_mlp.sgd, helpers_mlp.args
 
 
 def _close(got, want):
@@ -95,18 +50,7 @@ def _as_propagated(mp):
        x=helpers_partition.specs_2d(CHOICES), step=st.sampled_from(sorted(STEPS)),
        pin=st.sampled_from(["in", "in and out", "out only"]))
 def test_laying_out_for_readers_never_sends_more(w1, w2, x, step, pin):
-  p, xs = _args()
-  fn, weights = STEPS[step], {"w1": w1, "w2": w2}
-  specs = (None if pin == "out only" else weights, x)
-  out = None if pin == "in" else weights
-  m = mesh((2, 4), ("a", "b"))
-  with pytest.MonkeyPatch.context() as mp:
-    _as_propagated(mp)
-    before = gshard.partition(fn, m, in_specs=specs, out_specs=out).lower(p, xs)
-    before = before.total_bytes()
-  part = gshard.partition(fn, m, in_specs=specs, out_specs=out)
-  assert part.lower(p, xs).total_bytes() <= before
-  _close(part(p, xs), jax.jit(fn)(p, xs))
+  helpers_mlp.check_never_sends_more("lay_out_for_readers", STEPS[step], w1, w2, x, pin, _close)
 
 
 def _compiled_bytes(part, *args) -> float:
