@@ -45,7 +45,7 @@ def _as_propagated(mp):
   mp.setattr(propagate, "lay_out_for_readers", lambda graph, touching: None)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w1=helpers_partition.specs_2d(CHOICES), w2=helpers_partition.specs_2d(CHOICES),
        x=helpers_partition.specs_2d(CHOICES), step=st.sampled_from(sorted(STEPS)),
        pin=st.sampled_from(["in", "in and out", "out only"]))
