@@ -44,7 +44,9 @@ ROUNDS = 4
 # the most values one chain lays out anew (its ops are planned twice to price it)
 MAX_CHAIN = 256
 
-# calls the partitioner runs inline (their values flow in and out as they are)
+# calls the partitioner runs inline (their values flow in and out as they are;
+# graph's call list less checkpoint, whose partition reads its operands
+# through a barrier)
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
                     "custom_vjp_call"})
 

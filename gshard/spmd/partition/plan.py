@@ -139,11 +139,17 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
                    tuple(var.aval.shape), var.aval.dtype,
                    g.released.get(g.tensor(scope, var), 0.0) if lookup else 0.0)
               for var in eqn.outvars)
-  key = (rule, in_, operands, results, out, frozenset(blocked), bool(allow_other_reduction),
-         eqn.primitive.name in CONTRACTIONS, relocate, tuple(ctx.mesh_sizes.items()))
+  return _planned(rule, in_, operands, results, out, frozenset(blocked),
+                  bool(allow_other_reduction), eqn.primitive.name in CONTRACTIONS, relocate,
+                  tuple(ctx.mesh_sizes.items()))
+
+
+def _planned(*key) -> LocalPlan:
+  """:func:`_plan` of ``key``, memoised where the key hashes (a dtype jax
+  cannot hash: planned anew)."""
   try:
     hash(key)
-  except TypeError:          # a dtype jax cannot hash: plan it anew
+  except TypeError:
     return _plan(*key)
   return _plan_memo(*key)
 
@@ -165,13 +171,9 @@ def plan_of(rule: FactorRule, eqn, operands, results, marks, released,
   outs = tuple(_Out(None if t is None else t.sharding, tuple(v.aval.shape), v.aval.dtype,
                     r if lookup else 0.0)
                for t, v, r in zip(results, eqn.outvars, released))
-  key = (rule, ins, tuple(map(factors.view, operands)), tuple(map(factors.view, results)),
-         outs, frozenset(), False, name in CONTRACTIONS, lookup or name in PIECES,
-         tuple(mesh.items()))
-  try:
-    return _plan_memo(*key), ins, outs
-  except TypeError:          # a dtype jax cannot hash
-    return _plan(*key), ins, outs
+  return _planned(rule, ins, tuple(map(factors.view, operands)),
+                  tuple(map(factors.view, results)), outs, frozenset(), False,
+                  name in CONTRACTIONS, lookup or name in PIECES, tuple(mesh.items())), ins, outs
 
 
 @functools.lru_cache(maxsize=1 << 15)
