@@ -12,8 +12,11 @@ module fixtures and jit caches are built once. The "ci" hypothesis profile is
 loaded in every worker, so every worker's examples are derandomized.
 """
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 
 _DEVICE_COUNT = 8
 _FLAG = f"--xla_force_host_platform_device_count={_DEVICE_COUNT}"
@@ -53,6 +56,22 @@ assert len(jax.devices()) == _DEVICE_COUNT, (
     f"with a different number of devices (worker "
     f"{os.environ.get('PYTEST_XDIST_WORKER', 'none')})"
 )
+
+# Compiled programs kept on disk for this process's run only: a fresh directory,
+# removed at exit, so nothing carries over between runs. Tests compile the same
+# program again under a new function object (each hypothesis example builds
+# its step anew and repeats shapes; a program is lowered for inspection and
+# then called), which jax's in-memory caches, keyed by the function, miss;
+# about one compile in five here is such a repeat. jax's persistent cache is
+# keyed by the program's text, compile options and backend, so a repeat gets
+# the same executable XLA would build again.
+# ``GSHARD_TEST_XLA_CACHE=0`` compiles every program.
+if os.environ.get("GSHARD_TEST_XLA_CACHE") != "0":
+    _cache_dir = tempfile.mkdtemp(prefix="gshard-tests-xla-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Hypothesis: "ci" (default) is reproducible and bounded; jax compilation makes
 # per-example time unpredictable, so no deadline. Select "dev" with
