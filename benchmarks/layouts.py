@@ -156,15 +156,15 @@ def write_doc(rows: list[dict], seed: int, load: tuple[float, float]) -> None:
       "Reading (from the reports of the cases where gshard sends more): each operand "
       "an op's plan moves is tried in the layout that op reads it in, with the values "
       "it is made of back through elementwise ops and calls run inline "
-      "(`spmd/readers.py`): a relu gradient's select no longer moves the forward's mask "
-      "to the gradient's layout only for the weight gradient's dot to move its result "
-      "back. What is left: in the largest, the weight gradient and the gradient its dot "
-      "reads would have to move together (the update moves `dW1` after its dot, "
-      "`[64@b,128@a]` to `w1`'s `b*a`; moving either alone sends as much), and the pass "
-      "prices one value and its elementwise chain at a time. In the others, the "
-      "weight gradient's dot reads the activation the forward pass gathered (the "
-      "partitioner reuses that copy); the pass plans each op without the copies "
-      "earlier ops made, so it sees a gather where the partitioner moves the gradient.",
+      "(`spmd/readers.py`), priced by the partitioner's plans with the copies earlier "
+      "ops leave (the weight gradient's dot reads the activation the forward pass "
+      "gathered: that copy sends nothing). What is left: in both, `w1` is replicated, "
+      "so its gradient is gathered for the update either way; the gradient is made by "
+      "its dot split on both dims, which first gathers the relu's gradient over one "
+      "axis (2 or 6 KiB), where made in that gradient's own `a*b` from the forward's copy of `x` "
+      "nothing moves before the same gather. The pass moves a value only to a layout "
+      "one of its readers reads it in, never to fewer shards (a gather), so it does not "
+      "try the dot's result in a layout that neither its readers nor its operands hold.",
       "",
   ]
   with open(DOC, "w") as fh:

@@ -95,6 +95,33 @@ def test_a_gradient_is_made_by_its_dot_in_the_layout_its_reader_wants():
   _close(part(p, xs), jax.jit(_sgd)(p, xs))
 
 
+@pytest.mark.parametrize("specs, before, after, xla", [
+    # x [32, 64@a*b], w1 [64@a, 128@b], w2 [128, 64@b*a]: the forward gathers
+    # x, and the weight gradient's dot reads that copy; priced without it, y's
+    # cotangent stayed in w2's b*a and the dots around it moved it twice
+    (({"w1": P(None, ("b", "a")), "w2": P("a", "b")}, P("a", "b")), 38912, 25600, 31744),
+    # x [32, 64@a*b], w1 [64, 128@b*a], w2 [128@b, 64@a]: dW1 was made in
+    # [64@a, 128@b] (a tie, with x's gather counted again) and all-to-alled
+    # to w1's layout; from the forward's copy of x it is made in w1's layout
+    (({"w1": P(None, ("b", "a")), "w2": P("b", "a")}, P(None, ("a", "b"))), 21504, 17408, 19456),
+])
+def test_an_operand_copied_by_an_earlier_reader_is_priced_as_the_copy(specs, before, after,
+                                                                       xla):
+  # the plans the pass prices read the copies the plans of earlier readers
+  # leave (the partitioner reuses them: partition/context.py's reshard)
+  p, xs = _args()
+  m = mesh((2, 4), ("a", "b"))
+  part = gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0])
+  with pytest.MonkeyPatch.context() as mp:
+    _as_propagated(mp)
+    old = gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0])
+    assert _compiled_bytes(old, p, xs) == before
+  assert _compiled_bytes(part, p, xs) == after
+  assert _compiled_bytes(gshard.gspmd_jit(_sgd, m, in_specs=specs, out_specs=specs[0]),
+                         p, xs) == xla
+  _close(part(p, xs), jax.jit(_sgd)(p, xs))
+
+
 def _relu_grad_step(pin, where):
   # the relu gradient of the first test, written out; ``where``: with
   # jnp.where (a jit call, run inline: its select is laid out too) or

@@ -23,6 +23,15 @@ a layout counted once: the partitioner reuses it); only moves that keep each
 value's shard count (never a gather: a value made replicated costs every
 device its compute); never a pinned value, a program input or output, a
 pending sum, or a value of a loop's or branch's body.
+
+The plans priced read the copies the partitioner will hold: a layout an
+earlier reader's plan moved an operand to is reused, and a layout that only
+slices one is cut from it (``Context.reshard``). With ``x [32, 64@a*b]``
+gathered for the forward dot, the weight gradient ``x.T @ dy`` reads that
+copy: made in ``w1``'s layout, it sends nothing, where priced without the
+copy a layout that moved ``dy`` and then the gradient looked as cheap. The
+ops priced for a chain include the later readers of what its ops read (a
+copy a chain's op no longer makes is gone for them).
 """
 
 from __future__ import annotations
@@ -93,6 +102,7 @@ class _Pass:
                  if (t := graph.tensor((), v)) is not None}
     self.moves: dict = {}      # _moved's answer per op, rule and layouts
     self.rules: dict = {}      # id(bound) -> its planned factor rule, or None
+    self.index = {id(b): k for k, b in enumerate(graph.bounds)}
 
   def run(self) -> None:
     for _ in range(ROUNDS):
@@ -134,14 +144,18 @@ class _Pass:
       key, found = None, None
     if found is None:
       found = []
-      planned = self.plan(c, {})
-      for n, (u, s) in enumerate(zip(c.operands, planned[0].operands if planned else ())):
-        if u is None or s is None:
-          continue
-        want, cur = s.without_partial(), u.sharding.without_partial()
-        if want != cur and not is_refinement(cur, want) and all(
-            c.operands[m] is not u for m, _ in found):
-          found.append((n, want))
+      # the plan with the copies earlier readers leave, and without them (a
+      # copy the plan reads can make a gather look cheapest there, where the
+      # operand laid out anew sends less in all: priced by cheaper())
+      for planned in (self.plan(c, {}), self.plan(c, {}, earlier=False)):
+        for n, (u, s, v) in enumerate(zip(c.operands, planned[0].operands if planned else (),
+                                           planned[1] if planned else ())):
+          if u is None or s is None or plan.copied(v, s, self.mesh):
+            continue
+          want, cur = s.without_partial(), u.sharding.without_partial()
+          if want != cur and not is_refinement(cur, want) and all(
+              c.operands[m] is not u or w == want for m, w in found) and (n, want) not in found:
+            found.append((n, want))
       if key is not None:
         self.moves[key] = found
     return [(c.operands[n], want) for n, want in found]
@@ -174,8 +188,14 @@ class _Pass:
     fewer bytes, as the partitioner plans them, with those values laid out
     as ``chain`` says than as propagated (False where an op is not planned
     from its one factor rule)."""
-    ops = [self.graph.bounds[k] for k in sorted({k for t, _ in chain.values()
-                                                 for k in self.touching.get(id(t), ())})]
+    g = self.graph
+    near = {k for t, _ in chain.values() for k in self.touching.get(id(t), ())}
+    # and the later readers of what those ops read: a copy an op moved an
+    # operand to is reused by them (or, no longer moved, not there for them)
+    later = {j for k in near for u in g.bounds[k].operands if u is not None
+             for j in self.touching.get(id(u), ()) if j > k
+             and any(v is u for v in g.bounds[j].operands)}
+    ops = [g.bounds[k] for k in sorted(near | later)]
     old = self.bytes(ops, {})
     return old is not None and self.bytes(
         ops, {id(t): layout for t, layout in chain.values()}) < old
@@ -207,15 +227,40 @@ class _Pass:
       for t, v, s in zip(b.operands, ins, local.operands):
         if s is not None and v.sharding != s:
           s = s.with_partial(s.partial & v.sharding.partial)
-          moves[(id(t), s)] = reshard.plan_reshard(v.sharding, s, v.shape, v.dtype,
-                                                   mesh).bytes_per_device
+          if not plan.copied(v, s, mesh):      # (a copy: its maker's move is priced)
+            moves[(id(t), s)] = reshard.plan_reshard(v.sharding, s, v.shape, v.dtype,
+                                                     mesh).bytes_per_device
       total += plan.plan_cost(mesh, (), outs, local)     # its results' moves
     return total + sum(moves.values())
 
-  def plan(self, b, layouts: dict):
+  def held(self, b, layouts: dict) -> tuple:
+    """Per operand of ``b``, the layouts the plans of its readers before
+    ``b`` (in program order, in ``b``'s scope) move it to: the copies the
+    partitioner holds when it reaches ``b`` and reuses (a forward pass's
+    gathered activation, read again by a weight gradient's dot). Those
+    readers are planned without the copies before them (one level)."""
+    k, out = self.index[id(b)], []
+    for t in b.operands:
+      got = set()
+      if t is not None and not layouts.get(id(t), t.sharding).partial:
+        for j in self.touching.get(id(t), ()):
+          r = self.graph.bounds[j]
+          if j >= k or r.scope != b.scope or _link(r) or all(u is not t for u in r.operands):
+            continue
+          p = self.plan(r, layouts, earlier=False)
+          if p is None:
+            continue
+          for u, s, v in zip(r.operands, p[0].operands, p[1]):
+            if u is t and s is not None and not s.partial and s != v.sharding:
+              got.add(s)
+      out.append(frozenset(got))
+    return tuple(out)
+
+  def plan(self, b, layouts: dict, earlier: bool = True):
     """The partitioner's local plan for ``b``'s op (``plan.plan_of``:
     memoised, so the partitioner reuses it), with the tensors of ``layouts``
-    in theirs, and what it reads; None for an op not planned from its one
+    in theirs and (``earlier``) the copies earlier readers leave of its
+    operands (``held``), and what it reads; None for an op not planned from its one
     factor rule (a call, an op of several constraints)."""
     rule = self.rules.get(id(b), False)
     if rule is False:
@@ -238,4 +283,5 @@ class _Pass:
              if rule.linear in linearity.READS_LITERALS else [None] * len(b.operands))
     released = [0.0 if t is None else g.released.get(t, 0.0) for t in b.results]
     return plan.plan_of(rule, b.eqn, [seen(t) for t in b.operands],
-                        [seen(t) for t in b.results], marks, released, self.mesh)
+                        [seen(t) for t in b.results], marks, released, self.mesh,
+                        self.held(b, layouts) if earlier else None)

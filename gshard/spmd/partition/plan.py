@@ -26,7 +26,7 @@ from gshard.spmd.partials import LOOKUPS
 from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
-from gshard.spmd.sharding import TensorSharding, fit_axes, itemsize
+from gshard.spmd.sharding import TensorSharding, fit_axes, is_refinement, itemsize
 
 # ops that cut or join pieces along a dim (blocked from a split): their
 # operands' split moves to another dim first where that sends less than a gather
@@ -155,19 +155,22 @@ def _planned(*key) -> LocalPlan:
 
 
 def plan_of(rule: FactorRule, eqn, operands, results, marks, released,
-            mesh) -> tuple[LocalPlan, tuple, tuple]:
+            mesh, have=None) -> tuple[LocalPlan, tuple, tuple]:
   """:func:`plan_local` before the partition runs: the plan of ``eqn`` (its
   factor ``rule``) from its tensors as propagation holds them or as asked
   (``operands``/``results``: anything with ``sharding``, ``fixed``, ``shape``
   and ``dtype``; None for a literal or a dropped result), ``marks``: each
   operand's linearity mark, ``released``: each result's pending-sum cost (a
-  lookup's). Memoised with the partitioner's plans (one key where the
-  layouts are the propagated ones). Returns the plan and what
-  :func:`plan_cost` reads of the operands and results."""
+  lookup's), ``have``: per operand, the layouts earlier ops moved it to
+  (the copies the partitioner reuses; None: none). Memoised with the
+  partitioner's plans (one key where the layouts and copies are the
+  partitioner's). Returns the plan and what :func:`plan_cost` reads of the
+  operands and results."""
   name = eqn.primitive.name
   lookup = name in LOOKUPS
-  ins = tuple(_In(None if t is None else t.sharding, tuple(v.aval.shape), v.aval.dtype, m)
-              for t, v, m in zip(operands, eqn.invars, marks))
+  have = have or (frozenset(),) * len(operands)
+  ins = tuple(_In(None if t is None else t.sharding, tuple(v.aval.shape), v.aval.dtype, m, h)
+              for t, v, m, h in zip(operands, eqn.invars, marks, have))
   outs = tuple(_Out(None if t is None else t.sharding, tuple(v.aval.shape), v.aval.dtype,
                     r if lookup else 0.0)
                for t, v, r in zip(results, eqn.outvars, released))
@@ -277,7 +280,7 @@ def _operand_growth(mesh, ins, plan: LocalPlan) -> int:
   for a layout the operand already has a copy in)."""
   return sum(max(0, _held(v, s, mesh) - _held(v, v.sharding, mesh))
              for v, s in zip(ins, plan.operands)
-             if s is not None and v.sharding != s and s not in v.have)
+             if s is not None and v.sharding != s and not copied(v, s, mesh))
 
 
 def note_options(ctx: Context, eqn, plan: LocalPlan, ins: list[Value],
@@ -366,6 +369,16 @@ def _result_target(o: _Out, s: TensorSharding) -> tuple[TensorSharding, float]:
   return o.target.with_partial(o.target.partial & s.partial), later
 
 
+def copied(v, s: TensorSharding, mesh) -> bool:
+  """Whether operand ``v`` (an ``_In``) has a copy ``s`` cuts without
+  communicating: an earlier reshard to ``s``, or to a layout ``s`` only
+  slices (``Context.reshard`` reuses either)."""
+  return s in v.have or (not s.partial and any(
+      is_refinement(h, s)
+      and not reshard.plan_reshard(h, s, v.shape, v.dtype, mesh).collectives
+      for h in v.have))
+
+
 def plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
   """Bytes per device to reshard operands into ``plan`` and results out of it
   (and a lookup's pending sum where it is resolved downstream)."""
@@ -373,7 +386,7 @@ def plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
   for v, s in zip(ins, plan.operands):
     if s is not None and v.sharding != s:   # seeding (partial v lacks) sends nothing
       s = s.with_partial(s.partial & v.sharding.partial)
-      if s not in v.have:                   # (an earlier copy is reused)
+      if not copied(v, s, mesh):            # (an earlier copy is reused)
         total += reshard.plan_reshard(v.sharding, s, v.shape, v.dtype, mesh).bytes_per_device
   for o, s in zip(outs, plan.results):
     if o.target is None:
