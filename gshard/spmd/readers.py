@@ -103,6 +103,9 @@ class _Pass:
     self.moves: dict = {}      # _moved's answer per op, rule and layouts
     self.rules: dict = {}      # id(bound) -> its planned factor rule, or None
     self.index = {id(b): k for k, b in enumerate(graph.bounds)}
+    # (id(bound), earlier) -> its plan with the layouts as they are (until a
+    # chain is kept: then every plan may read other layouts or copies)
+    self.current: dict = {}
 
   def run(self) -> None:
     for _ in range(ROUNDS):
@@ -119,6 +122,7 @@ class _Pass:
           if chain and self.cheaper(chain):
             for t, layout in chain.values():
               t.sharding = layout
+            self.current.clear()
             changed = True
       if not changed:
         break
@@ -242,7 +246,7 @@ class _Pass:
     k, out = self.index[id(b)], []
     for t in b.operands:
       got = set()
-      if t is not None and not layouts.get(id(t), t.sharding).partial:
+      if t is not None and t.shape and not layouts.get(id(t), t.sharding).partial:
         for j in self.touching.get(id(t), ()):
           r = self.graph.bounds[j]
           if j >= k or r.scope != b.scope or _link(r) or all(u is not t for u in r.operands):
@@ -262,6 +266,14 @@ class _Pass:
     in theirs and (``earlier``) the copies earlier readers leave of its
     operands (``held``), and what it reads; None for an op not planned from its one
     factor rule (a call, an op of several constraints)."""
+    if not layouts:
+      key = (id(b), earlier)
+      if key not in self.current:
+        self.current[key] = self._plan(b, layouts, earlier)
+      return self.current[key]
+    return self._plan(b, layouts, earlier)
+
+  def _plan(self, b, layouts: dict, earlier: bool):
     rule = self.rules.get(id(b), False)
     if rule is False:
       try:
