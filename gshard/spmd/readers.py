@@ -148,9 +148,11 @@ class _Pass:
       key, found = None, None
     if found is None:
       found = []
-      # the plan with the copies earlier readers leave, and without them (a
-      # copy the plan reads can make a gather look cheapest there, where the
-      # operand laid out anew sends less in all: priced by cheaper())
+      # the plan with the copies earlier readers leave, then the plan without
+      # them for an operand the first does not move (a copy the plan reads
+      # can make a gather look cheapest at this op, where the operand laid
+      # out anew sends less in all: cheaper() prices that); an operand is
+      # proposed in one layout
       for planned in (self.plan(c, {}), self.plan(c, {}, earlier=False)):
         for n, (u, s, v) in enumerate(zip(c.operands, planned[0].operands if planned else (),
                                            planned[1] if planned else ())):
