@@ -60,9 +60,9 @@ assert len(jax.devices()) == _DEVICE_COUNT, (
 # Compiled programs kept on disk for this process's run only: a fresh directory,
 # removed at exit, so nothing carries over between runs. Tests compile the same
 # program again under a new function object (each hypothesis example builds
-# its step anew and repeats shapes; a program is lowered for inspection and
-# then called), which jax's in-memory caches, keyed by the function, miss;
-# about one compile in five here is such a repeat. jax's persistent cache is
+# its step and its jax.jit reference anew and repeats shapes), which jax's
+# in-memory caches, keyed by the function, miss; about one compile in five
+# here is such a repeat. jax's persistent cache is
 # keyed by the program's text, compile options and backend, so a repeat gets
 # the same executable XLA would build again.
 # ``GSHARD_TEST_XLA_CACHE=0`` compiles every program.

@@ -147,7 +147,7 @@ class _Pass:
     except TypeError:          # a dtype jax cannot hash
       key, found = None, None
     if found is None:
-      found = []
+      found, proposed = [], {}     # (operand index, layout); id(operand) -> layout
       # the plan with the copies earlier readers leave, then the plan without
       # them for an operand the first does not move (a copy the plan reads
       # can make a gather look cheapest at this op, where the operand laid
@@ -159,9 +159,11 @@ class _Pass:
           if u is None or s is None or plan.copied(v, s, self.mesh):
             continue
           want, cur = s.without_partial(), u.sharding.without_partial()
-          if want != cur and not is_refinement(cur, want) and all(
-              c.operands[m] is not u or w == want for m, w in found) and (n, want) not in found:
+          if want == cur or is_refinement(cur, want) or proposed.get(id(u), want) != want:
+            continue
+          if (n, want) not in found:
             found.append((n, want))
+            proposed[id(u)] = want
       if key is not None:
         self.moves[key] = found
     return [(c.operands[n], want) for n, want in found]

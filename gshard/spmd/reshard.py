@@ -61,7 +61,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from gshard.spmd.sharding import Axes, MeshSizes, TensorSharding, itemsize, validate
+from gshard.spmd.sharding import (Axes, MeshSizes, TensorSharding, is_refinement, itemsize,
+                                  validate)
 
 COLLECTIVE_KINDS = ("all_gather", "all_to_all", "psum", "psum_scatter", "ppermute")
 LOCAL_KINDS = ("slice", "pad")
@@ -173,6 +174,15 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding,
   validate(dst, global_shape, mesh_sizes, "reshard destination")
   return _plan_cached(src, dst, tuple(int(n) for n in global_shape),
                       itemsize(dtype), tuple(dict(mesh_sizes).items()), _is_bool(dtype))
+
+
+def cut_from(held: TensorSharding, dst: TensorSharding, global_shape: Sequence[int],
+             dtype, mesh_sizes: MeshSizes) -> bool:
+  """Whether a copy laid out as ``held`` gives ``dst`` by local slices
+  alone (``dst`` splits it further, sending nothing): the partitioner cuts
+  such a layout from a copy it already holds."""
+  return is_refinement(held, dst) and not plan_reshard(
+      held, dst, global_shape, dtype, mesh_sizes).collectives
 
 
 @functools.lru_cache(maxsize=4096)

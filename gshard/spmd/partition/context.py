@@ -16,7 +16,7 @@ from jax.extend.core import get_opaque_trace_state
 
 from gshard.spmd import collectives, reshard
 from gshard.spmd.graph import Graph
-from gshard.spmd.sharding import TensorSharding, fit_axes, is_refinement
+from gshard.spmd.sharding import TensorSharding, fit_axes
 from gshard.spmd.source import source_of
 
 
@@ -237,19 +237,15 @@ class Context:
     split less than it arrived); else ``v``. The gathered copy is reused,
     as a reshard to its own layout is."""
     seen = self._layouts.get(id(v.x))
-    if not seen or dst.partial or v.sharding.partial or self._local(v.sharding, dst, v):
+    if not seen or dst.partial or v.sharding.partial or not reshard.plan_reshard(
+        v.sharding, dst, v.shape, v.dtype, self.mesh_sizes).collectives:
       return v                   # (slicing the value itself holds no copy)
     trace = get_opaque_trace_state()
     for seen_trace, seen_x, out in seen:
-      if (seen_x is v.x and seen_trace == trace and is_refinement(out.sharding, dst)
-          and self._local(out.sharding, dst, v)):
+      if (seen_x is v.x and seen_trace == trace
+          and reshard.cut_from(out.sharding, dst, v.shape, v.dtype, self.mesh_sizes)):
         return out
     return v
-
-  def _local(self, src: TensorSharding, dst: TensorSharding, v: Value) -> bool:
-    """Whether ``v`` goes from ``src`` to ``dst`` without communicating."""
-    plan = reshard.plan_reshard(src, dst, v.shape, v.dtype, self.mesh_sizes)
-    return all(step.kind in ("slice", "pad", "local") for step in plan.steps)
 
   def _reshard(self, v: Value, dst: TensorSharding, eqn, role: str, origin=None) -> Value:
     plan = reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)

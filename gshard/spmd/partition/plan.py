@@ -26,7 +26,7 @@ from gshard.spmd.partials import LOOKUPS
 from gshard.spmd.partition import windowed_einsum
 from gshard.spmd.partition.context import Context, Value
 from gshard.spmd.rules import IN, OUT, FactorRule, OpRule
-from gshard.spmd.sharding import TensorSharding, fit_axes, is_refinement, itemsize
+from gshard.spmd.sharding import TensorSharding, fit_axes, itemsize
 
 # ops that cut or join pieces along a dim (blocked from a split): their
 # operands' split moves to another dim first where that sends less than a gather
@@ -374,9 +374,7 @@ def copied(v, s: TensorSharding, mesh) -> bool:
   communicating: an earlier reshard to ``s``, or to a layout ``s`` only
   slices (``Context.reshard`` reuses either)."""
   return s in v.have or (not s.partial and any(
-      is_refinement(h, s)
-      and not reshard.plan_reshard(h, s, v.shape, v.dtype, mesh).collectives
-      for h in v.have))
+      reshard.cut_from(h, s, v.shape, v.dtype, mesh) for h in v.have))
 
 
 def plan_cost(mesh, ins, outs, plan: LocalPlan) -> int:
