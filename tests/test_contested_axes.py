@@ -132,3 +132,38 @@ def test_only_a_pin_outweighed_by_the_whole_op_is_reported_so():
                          in_specs=(P(None, ("a", "b")), P("b", "a"))).lower(x, x)
   assert low.propagation.conflicts
   assert all(c.reason != "fewer bytes for the whole op" for c in low.propagation.conflicts)
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=st.sampled_from([(2, 4), (4, 2), (2, 2)]), b=st.sampled_from([8, 16, 32]),
+       d=st.sampled_from([32, 64]), f=st.sampled_from([32, 128, 256]))
+def test_a_contracted_factor_that_loses_its_major_axis_takes_the_other_proposal(shape, b, d,
+                                                                                f):
+  # x [B, D@(b,a)] @ w [D@a, F@b]: F holds b, so D keeps neither axis of b*a
+  # and the dot gathered x whole and w over a. D@a (w's proposal) moves x by
+  # a permute and a gather over b and all-reduces the result over a, which
+  # sends less where the result is small (GSPMD's choice here).
+  na, nb = shape
+  x = jax.random.normal(jax.random.PRNGKey(0), (b, d))
+  w = jax.random.normal(jax.random.PRNGKey(1), (d, f))
+  part = gshard.partition(lambda x, w: x @ w, mesh(shape, ("a", "b")),
+                          in_specs=(P(None, ("b", "a")), P("a", "b")))
+  low = part.lower(x, w)
+  x_block, w_block = x.size * 4 // (na * nb), w.size * 4 // (na * nb)
+  gather = (na * nb - 1) * x_block + (na - 1) * w_block
+  other = x_block + (nb - 1) * x_block + 2 * (na - 1) * (b * f // nb * 4) // na
+  assert low.total_bytes() <= min(gather, other), low.explain()
+  # d products summed on each side in any order: each side is off the exact
+  # sum by at most d ulps of the sum of their magnitudes
+  got, want = np.asarray(gshard.unpad(part(x, w))), np.asarray(jax.jit(jnp.matmul)(x, w))
+  bound = 2 * d * np.finfo(np.float32).eps * np.asarray(jnp.abs(x) @ jnp.abs(w))
+  assert (np.abs(got - want) <= bound).all()
+
+
+def test_the_other_proposal_is_reported_as_fewer_bytes_for_the_whole_op():
+  x, w = jnp.ones((32, 64)), jnp.ones((64, 128))
+  low = gshard.partition(lambda x, w: x @ w, mesh((2, 4), ("a", "b")),
+                         in_specs=(P(None, ("b", "a")), P("a", "b"))).lower(x, w)
+  [c] = [c for c in low.propagation.conflicts if c.primitive == "dot_general"]
+  assert (c.chosen, c.reason) == (("a",), "fewer bytes for the whole op"), low.explain()
+  assert low.total_bytes() == 1024 + 3072 + 4096      # permute, gather over b, psum over a

@@ -5,11 +5,14 @@ equation) both ask one question of a :class:`FactorRule` and the tensors it
 names: which mesh axes should each factor get? This module answers it, and
 knows nothing of jaxprs, graphs or devices:
 
-- :func:`project` reads a tensor's sharding as axes per factor, and
-  :func:`unproject` turns per-factor axes back into a tensor's sharding;
+- ``project`` reads a tensor's sharding as axes per factor, and ``unproject``
+  turns per-factor axes back into a tensor's sharding (both from
+  :mod:`gshard.spmd.projection`, and importable from here);
 - :func:`solve` chooses axes per factor among the tensors' candidates (a
   pinned tensor first, then the lower resharding cost in bytes, then the more
-  specific, then the earlier tensor) and gives each mesh axis to one factor;
+  specific, then the earlier tensor), gives each mesh axis to one factor, and
+  then checks the whole op's bytes against other tensors' proposals for a
+  factor that lost axes;
 - :func:`reduced_axes` gives the axes of the split ``sum`` factors (a pending
   partial sum of the result); whether such a sum may pass through the op that
   reads it is the linearity table's answer (:mod:`gshard.spmd.linearity`).
@@ -24,85 +27,13 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 from gshard.spmd import reshard
+from gshard.spmd.projection import Held, local_nbytes, nbytes, project, unproject
 from gshard.spmd.rules import FactorRule
-from gshard.spmd.sharding import Axes, TensorSharding, fit_axes, is_refinement, itemsize
-
-MeshSizes = Mapping[str, int]
-
-
-class Held(Protocol):
-  """What the solver reads of a tensor."""
-
-  sharding: TensorSharding
-  fixed: frozenset[int]
-  shape: tuple[int, ...]
-  dtype: Any
-
-
-def nbytes(t: Held) -> int:
-  """Global bytes of ``t``."""
-  return math.prod(t.shape) * itemsize(t.dtype)
-
-
-def local_nbytes(t: Held, mesh: MeshSizes) -> int:
-  """Bytes one device holds of ``t``: what resharding it roughly sends."""
-  return nbytes(t) // max(1, math.prod(mesh[a] for d in t.sharding.dims for a in d))
-
-
-# -- projection -----------------------------------------------------------------
-
-def project(dims_factors, sharding_dims, size_of, mesh) -> dict[str, Axes]:
-  """The axes each factor of a tensor holds under its sharding.
-
-  A dim of factors ``(a, b)`` split over mesh axes ``(x, y)`` gives ``a`` the
-  leading axes whose product divides its size; ``b`` gets the rest only when
-  ``a`` is split fully. ``project([("a", "b")], [("x", "y")], {"a": 2, "b": 8},
-  {"x": 2, "y": 4}) == {"a": ("x",), "b": ("y",)}``.
-  """
-  out: dict[str, Axes] = {}
-  for factors, axes in zip(dims_factors, sharding_dims):
-    rest = list(axes)
-    if len(factors) == 1:
-      if rest:
-        out[factors[0]] = tuple(rest)
-      continue
-    for f in factors:
-      take, prod = [], 1
-      while rest and size_of[f] % (prod * mesh[rest[0]]) == 0:
-        prod *= mesh[rest[0]]
-        take.append(rest.pop(0))
-      if take:
-        out[f] = tuple(take)
-      if prod != size_of[f]:
-        break
-  return out
-
-
-def unproject(dims_factors, choice, size_of, mesh) -> list[Axes]:
-  """The inverse of :func:`project`: a tensor's dims from per-factor axes.
-
-  A factor inside a compound dim keeps only the leading axes that divide it,
-  and the next factor of that dim gets axes only when this one is split fully.
-  """
-  dims = []
-  for factors in dims_factors:
-    if len(factors) == 1:          # the common case: one factor, its axes
-      dims.append(tuple(choice.get(factors[0], ())))
-      continue
-    axes: list[str] = []
-    for f in factors:
-      a = list(choice.get(f, ()))
-      if len(factors) > 1:
-        a = list(fit_axes(a, size_of[f], mesh))
-      axes += a
-      if math.prod(mesh[x] for x in a) != size_of[f]:
-        break
-    dims.append(tuple(axes))
-  return dims
+from gshard.spmd.sharding import Axes, TensorSharding, is_refinement
 
 
 # -- choosing axes per factor ------------------------------------------------------
@@ -302,18 +233,18 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
         take = {**done, g: done[g][:done[g].index(a)], f: tuple(keep) + (a,)}
         take_bytes = _assignment_bytes(take, pairs, rule, mesh, results)
         stay_bytes = _assignment_bytes(stay, pairs, rule, mesh, results)
-        whole = _take_rest(f, keep, choice[f], owner, done, rule, mesh)
-        if whole is not None:
+        rest = _take_rest(f, keep, choice[f], owner, done, rule, mesh)
+        if rest is not None:
           # f may take all the axes it still wants at once: a tuple of axes
           # moves as one all-to-all, where taken one by one the first step
           # gathers
-          whole_bytes = _assignment_bytes(whole, pairs, rule, mesh, results)
+          whole_bytes = _assignment_bytes(rest, pairs, rule, mesh, results)
           if whole_bytes < take_bytes:
-            take, take_bytes = whole, whole_bytes
+            take, take_bytes = rest, whole_bytes
         if take_bytes < stay_bytes:
           _give(take, f, done, owner, tie=False)
-          if take is whole:
-            keep = list(whole[f])
+          if take is rest:
+            keep = list(rest[f])
             owner.update({b: f for b in keep})
             break
         elif (defer_ties and take_bytes == stay_bytes and strength[f][0] == 0
@@ -332,6 +263,7 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
       done[f] = _summed_axes(f, done, hold[f], pairs, rule, mesh, results)
   if whole and not tied:
     done = _unpinned_if_cheaper(done, choice, hold, pairs, rule, mesh, results)
+    done = _other_proposal_if_cheaper(done, choice, hold, pairs, rule, mesh, results)
   return done, tied
 
 
@@ -411,6 +343,37 @@ def _unpinned_if_cheaper(done: dict, choice: dict, hold, pairs, rule: FactorRule
   return done if best is None else best[1]
 
 
+def _other_proposal_if_cheaper(done: dict, choice: dict, hold, pairs, rule: FactorRule,
+                               mesh, results) -> dict:
+  """``done``; or, where a factor kept fewer axes than it chose (another factor
+  took one it wanted first), that factor takes another tensor's proposal on
+  axes no other factor holds, if that sends strictly fewer bytes, a sum it
+  leaves priced at an all-reduce (its most).
+
+  ``x[:, D@b*a] @ w1[D@a, F@b]``: ``F`` holds ``b``, so ``D`` keeps neither
+  axis of ``b*a`` and both operands are gathered (11 KiB); ``D@a`` moves ``x``
+  by a permute and a gather over ``b`` (4 KiB) and all-reduces the result over
+  ``a`` (4 KiB), as GSPMD does.
+  """
+  best = None
+  taken = {a for axes in done.values() for a in axes}
+  for f in rule.factors:
+    if f not in choice or done.get(f) == choice[f]:
+      continue
+    mine = done.get(f, ())
+    for c in sorted({h.proj for h in hold[f] if h.proj} - {choice[f], mine}):
+      if (any(b not in mesh or (b in taken and b not in mine) for b in c)
+          or rule.size_of[f] % math.prod(mesh[b] for b in c) != 0):
+        continue
+      if best is None:
+        best = (_assignment_bytes(done, pairs, rule, mesh, results), done)
+      alt = {**done, f: c}
+      cost = _assignment_bytes(alt, pairs, rule, mesh, results, resolve=2.0)
+      if cost < best[0]:
+        best = (cost, alt)
+  return done if best is None else best[1]
+
+
 def _drops_axes(done: dict, rule: FactorRule, mesh) -> bool:
   """Whether a result cannot hold an axis ``done`` gives one of its factors (a
   merged dim split by its minor factor while its major one is split only in
@@ -459,11 +422,12 @@ def _take_rest(f: str, keep: list[str], wanted: Axes, owner, done, rule: FactorR
   return out
 
 
-def _assignment_bytes(choice, pairs, rule: FactorRule, mesh, results=()) -> float:
+def _assignment_bytes(choice, pairs, rule: FactorRule, mesh, results=(), resolve=1.0) -> float:
   """Bytes per device to bring every tensor to ``choice`` (refinements free),
   and to resolve the partial sum a split ``sum`` factor leaves in each of the
-  ``results`` (at least a reduce-scatter over those axes): an axis given to a
-  contracted dim is not free where it takes the place of a batch split."""
+  ``results`` (at least a reduce-scatter over those axes, ``resolve`` times
+  that): an axis given to a contracted dim is not free where it takes the
+  place of a batch split."""
   total = 0.0
   reduced = [a for f in rule.reduction for a in choice.get(f, ())]
   if reduced:
@@ -473,7 +437,7 @@ def _assignment_bytes(choice, pairs, rule: FactorRule, mesh, results=()) -> floa
         continue
       split = math.prod(mesh[a] for axes in unproject(dims, choice, rule.size_of, mesh)
                         for a in axes)
-      total += (n - 1) / n * nbytes(t) / split
+      total += resolve * (n - 1) / n * nbytes(t) / split
   for t, dims in pairs:
     new = TensorSharding(tuple(unproject(dims, choice, rule.size_of, mesh)))
     cur = t.sharding.without_partial()
