@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import gshard
 from benchmarks import hlo
-from gshard.spmd import propagate
+from gshard.spmd import propagate, readers
 import helpers_mlp
 import helpers_partition
 from helpers_partition import assert_within_ulps, mesh
@@ -117,6 +117,30 @@ def test_an_operand_copied_by_an_earlier_reader_is_priced_as_the_copy(specs, bef
     old = gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0])
     assert _compiled_bytes(old, p, xs) == before
   assert _compiled_bytes(part, p, xs) == after
+  assert _compiled_bytes(gshard.gspmd_jit(_sgd, m, in_specs=specs, out_specs=specs[0]),
+                         p, xs) == xla
+  _close(part(p, xs), jax.jit(_sgd)(p, xs))
+
+
+@pytest.mark.parametrize("specs, before, after, xla", [
+    # x [32, 64@b], w1 [64, 128@b], w2 [128@a, 64@b]: dW1 was made in
+    # [64@b, 128@a] from x's gathered copy and the relu's gradient as it is,
+    # then all-to-alled and gathered to w1's [64, 128@b] for the update; made
+    # in w1's layout (fewer shards) from the same copy it sends nothing
+    (({"w1": P(None, "b"), "w2": P("a", "b")}, P(None, "b")), 40960, 26624, 36864),
+    (({"w1": P(None, "b"), "w2": P("a", "b")}, P(None, ("b", "a"))), 41984, 27648, 37888),
+])
+def test_a_weight_gradient_is_made_in_its_weights_layout(specs, before, after, xla):
+  p, xs = _args()
+  m = mesh((2, 4), ("a", "b"))
+  part = gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0])
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(readers._Pass, "aligns", lambda self, c, u, want: False)
+    assert _compiled_bytes(gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0]),
+                           p, xs) == before
+  low = part.lower(p, xs)
+  assert _compiled_bytes(part, p, xs) == after
+  assert not [c for c in low.collectives() if c.primitive == "sub"], low.explain()
   assert _compiled_bytes(gshard.gspmd_jit(_sgd, m, in_specs=specs, out_specs=specs[0]),
                          p, xs) == xla
   _close(part(p, xs), jax.jit(_sgd)(p, xs))

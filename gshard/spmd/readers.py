@@ -21,8 +21,10 @@ and nothing else does. Kept only where the plans of every op making or
 reading those values send strictly fewer bytes in all (each value's move to
 a layout counted once: the partitioner reuses it); only moves that keep each
 value's shard count (never a gather: a value made replicated costs every
-device its compute); never a pinned value, a program input or output, a
-pending sum, or a value of a loop's or branch's body.
+device its compute), but for a move to the layout of a value the reader
+reads beside it that stays as it is (a weight gradient made in its weight's
+layout for the update, as GShard prefers); never a pinned value, a program
+input or output, a pending sum, or a value of a loop's or branch's body.
 
 The plans priced read the copies the partitioner will hold: a layout an
 earlier reader's plan moved an operand to is reused, and a layout that only
@@ -116,7 +118,8 @@ class _Pass:
             or _agrees(c)):
           continue
         for u, want in self.moved(c):
-          if not self.free(u) or _shards(want, self.mesh) < _shards(u.sharding, self.mesh):
+          if not self.free(u) or (_shards(want, self.mesh) < _shards(u.sharding, self.mesh)
+                                  and not self.aligns(c, u, want)):
             continue
           chain = self.chain(u, want)
           if chain and self.cheaper(chain):
@@ -126,6 +129,13 @@ class _Pass:
             changed = True
       if not changed:
         break
+
+  def aligns(self, c, u: Tensor, want: TensorSharding) -> bool:
+    """Whether ``c`` reads, beside ``u``, a value of its shape that stays as
+    it is (a program input or output, pinned) laid out as ``want``: a weight
+    gradient moved to its weight's layout for the update."""
+    return any(v is not None and v is not u and not self.free(v) and v.shape == u.shape
+               and v.sharding.without_partial() == want for v in c.operands)
 
   def free(self, t: Tensor | None) -> bool:
     """Whether ``t`` may be laid out anew: made in the top program or a call
