@@ -163,8 +163,10 @@ def write_doc(rows: list[dict], seed: int, load: tuple[float, float]) -> None:
       "its dot split on both dims, which first gathers the relu's gradient over one "
       "axis (2 or 6 KiB), where made in that gradient's own `a*b` from the forward's copy of `x` "
       "nothing moves before the same gather. The pass moves a value only to a layout "
-      "one of its readers reads it in, never to fewer shards (a gather), so it does not "
-      "try the dot's result in a layout that neither its readers nor its operands hold.",
+      "one of its readers reads it in, and to fewer shards (a gather) only where that "
+      "reader also reads a value that stays as it is in that layout (a weight gradient "
+      "made in its weight's layout), so it does not try the dot's result in a layout "
+      "that neither its readers nor its operands hold.",
       "",
   ]
   with open(DOC, "w") as fh:

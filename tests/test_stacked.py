@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -77,9 +78,20 @@ def test_residual_stacked_as_read(data):
                        what=f"scanned={scanned} made={made} carried={carried}")
     lowered[scanned] = part.lower(ws, x)
   # the scanned loops send at most what the unrolled layers do (which reuse the
-  # forward's copy of v in the backward)
-  assert lowered[True].total_bytes() <= lowered[False].total_bytes(), (
-      lowered[True].explain(), lowered[False].explain())
+  # forward's copy of v in the backward), both as propagated: the readers pass
+  # (spmd/readers.py) lays out the top program's values, not a loop body's,
+  # so it can make the unrolled layers send less still (a gradient made in
+  # the layout of the pinned value it is added to: docs/design.md, known
+  # limits); it never makes either send more
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(propagate, "lay_out_for_readers", lambda graph, touching: None)
+    plain = {scanned: gshard.partition(_program(made, carried, layers, scanned), m,
+                                       in_specs=specs).lower(ws, x)
+             for scanned in (True, False)}
+  assert plain[True].total_bytes() <= plain[False].total_bytes(), (
+      plain[True].explain(), plain[False].explain())
+  for scanned in (True, False):
+    assert lowered[scanned].total_bytes() <= plain[scanned].total_bytes()
 
 
 def test_stack_as_read_moves_the_residual(monkeypatch):
