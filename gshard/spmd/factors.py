@@ -238,9 +238,9 @@ def _solve(rule: FactorRule, operands: Sequence[Held | None],
           # f may take all the axes it still wants at once: a tuple of axes
           # moves as one all-to-all, where taken one by one the first step
           # gathers
-          whole_bytes = _assignment_bytes(rest, pairs, rule, mesh, results)
-          if whole_bytes < take_bytes:
-            take, take_bytes = rest, whole_bytes
+          rest_bytes = _assignment_bytes(rest, pairs, rule, mesh, results)
+          if rest_bytes < take_bytes:
+            take, take_bytes = rest, rest_bytes
         if take_bytes < stay_bytes:
           _give(take, f, done, owner, tie=False)
           if take is rest:
@@ -325,22 +325,17 @@ def _unpinned_if_cheaper(done: dict, choice: dict, hold, pairs, rule: FactorRule
   """
   if not _drops_axes(done, rule, mesh):
     return done
-  best = None
-  for f, axes in done.items():
-    if f in rule.reduction or not any(h.fixed and h.proj == choice.get(f) for h in hold[f]):
-      continue
-    for c in sorted({h.proj for h in hold[f] if not h.fixed and h.proj}):
-      if (c == axes or rule.size_of[f] % math.prod(mesh[b] for b in c) != 0
-          or any(b not in mesh for b in c)):
+  def alternatives():
+    for f, axes in done.items():
+      if f in rule.reduction or not any(h.fixed and h.proj == choice.get(f) for h in hold[f]):
         continue
-      alt = {g: c if g == f else ax[:next((i for i, b in enumerate(ax) if b in c), len(ax))]
-             for g, ax in done.items()}
-      if best is None:
-        best = (_assignment_bytes(done, pairs, rule, mesh, results), done)
-      cost = _assignment_bytes(alt, pairs, rule, mesh, results)
-      if cost < best[0]:
-        best = (cost, alt)
-  return done if best is None else best[1]
+      for c in sorted({h.proj for h in hold[f] if not h.fixed and h.proj}):
+        if (c == axes or rule.size_of[f] % math.prod(mesh[b] for b in c) != 0
+            or any(b not in mesh for b in c)):
+          continue
+        yield {g: c if g == f else ax[:next((i for i, b in enumerate(ax) if b in c), len(ax))]
+               for g, ax in done.items()}
+  return _cheapest(done, alternatives(), pairs, rule, mesh, results)
 
 
 def _other_proposal_if_cheaper(done: dict, choice: dict, hold, pairs, rule: FactorRule,
@@ -355,23 +350,34 @@ def _other_proposal_if_cheaper(done: dict, choice: dict, hold, pairs, rule: Fact
   by a permute and a gather over ``b`` (4 KiB) and all-reduces the result over
   ``a`` (4 KiB), as GSPMD does.
   """
-  best = None
   taken = {a for axes in done.values() for a in axes}
-  for f in rule.factors:
-    if f not in choice or done.get(f) == choice[f]:
-      continue
-    mine = done.get(f, ())
-    for c in sorted({h.proj for h in hold[f] if h.proj} - {choice[f], mine}):
-      if (any(b not in mesh or (b in taken and b not in mine) for b in c)
-          or rule.size_of[f] % math.prod(mesh[b] for b in c) != 0):
+
+  def alternatives():
+    for f in rule.factors:
+      if f not in choice or done.get(f) == choice[f]:
         continue
-      if best is None:
-        best = (_assignment_bytes(done, pairs, rule, mesh, results), done)
-      alt = {**done, f: c}
-      cost = _assignment_bytes(alt, pairs, rule, mesh, results, resolve=2.0)
-      if cost < best[0]:
-        best = (cost, alt)
-  return done if best is None else best[1]
+      mine = done.get(f, ())
+      for c in sorted({h.proj for h in hold[f] if h.proj} - {choice[f], mine}):
+        if (any(b not in mesh or (b in taken and b not in mine) for b in c)
+            or rule.size_of[f] % math.prod(mesh[b] for b in c) != 0):
+          continue
+        yield {**done, f: c}
+  return _cheapest(done, alternatives(), pairs, rule, mesh, results, resolve=2.0)
+
+
+def _cheapest(done: dict, alternatives, pairs, rule: FactorRule, mesh, results,
+              resolve: float = 1.0) -> dict:
+  """``done``, or the first of ``alternatives`` that sends strictly fewer bytes
+  than it and than every earlier one (an alternative's sums priced ``resolve``
+  times their least, :func:`_assignment_bytes`)."""
+  best, least = done, None
+  for alt in alternatives:
+    if least is None:
+      least = _assignment_bytes(done, pairs, rule, mesh, results)
+    cost = _assignment_bytes(alt, pairs, rule, mesh, results, resolve)
+    if cost < least:
+      best, least = alt, cost
+  return best
 
 
 def _drops_axes(done: dict, rule: FactorRule, mesh) -> bool:
