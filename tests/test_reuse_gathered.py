@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import gshard
+from gshard.spmd.partition import plan
 from gshard.spmd.partition.context import Context
 import helpers_partition
 from helpers_partition import assert_within_ulps, mesh
@@ -110,4 +111,51 @@ def test_a_copy_reused_is_weighed_against_the_memory_the_other_plans_hold():
                           out_specs=specs[0])
   lowered = part.lower(p, xs)
   assert lowered.total_bytes() <= 27 * 1024, lowered.explain()
+  _close(part(p, xs), jax.jit(_relu_step)(p, xs))
+
+
+def _without_copy_candidates(mp):
+  """The planner as before it solved a contraction from an operand's copy
+  (its memo emptied both ways: the plans are keyed by the layouts alone)."""
+  mp.setattr(plan, "_from_copies", lambda *a: [])
+  plan._plan_memo.cache_clear()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w1=specs_2d(), w2=specs_2d(), w3=specs_2d(), x=specs_2d(),
+       step=st.sampled_from(sorted(STEPS)))
+def test_solving_from_a_copy_never_sends_more(w1, w2, w3, x, step):
+  p, xs = _args()
+  weights = {"w1": w1, "w2": w2, "w3": w3}
+  fn, m = STEPS[step], mesh((2, 4), ("a", "b"))
+  with pytest.MonkeyPatch.context() as mp:
+    _without_copy_candidates(mp)
+    before = gshard.partition(fn, m, in_specs=(weights, x),
+                              out_specs=weights).lower(p, xs).total_bytes()
+  plan._plan_memo.cache_clear()
+  part = gshard.partition(fn, m, in_specs=(weights, x), out_specs=weights)
+  assert part.lower(p, xs).total_bytes() <= before
+  _close(part(p, xs), jax.jit(fn)(p, xs))
+
+
+def test_a_weight_gradient_is_solved_from_the_gathered_activation():
+  # x [32, 64@b] is gathered for x @ w1 (w1 replicated). dW1 = x^T @ dh, dh
+  # [32, 128@(a,b)], wanted replicated as w1. Solved from x's layout, the
+  # contracted factor's axes went to x's dim and dh was gathered over b, the
+  # result made [128@a, 64@b] and then gathered (34 KiB): the step sent 54 KiB
+  # (GSPMD: 49 KiB). Solved from the gathered copy, dW1 is made [64, 128@(a,b)]
+  # with nothing moved and gathered once (28 KiB): 48 KiB.
+  p, xs = _args()
+  specs = ({"w1": P(), "w2": P(("a", "b"), None), "w3": P()}, P(None, "b"))
+  m = mesh((2, 4), ("a", "b"))
+  with pytest.MonkeyPatch.context() as mp:
+    _without_copy_candidates(mp)
+    before = gshard.partition(_relu_step, m, in_specs=specs,
+                              out_specs=specs[0]).lower(p, xs).total_bytes()
+  plan._plan_memo.cache_clear()
+  part = gshard.partition(_relu_step, m, in_specs=specs, out_specs=specs[0])
+  lowered = part.lower(p, xs)
+  assert (before, lowered.total_bytes()) == (54 * 1024, 48 * 1024), lowered.explain()
+  assert "operand 1 its copy resharded earlier (sends nothing); result 0 all_gather[a,b]" \
+      in lowered.explain()
   _close(part(p, xs), jax.jit(_relu_step)(p, xs))

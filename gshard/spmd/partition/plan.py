@@ -192,6 +192,8 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
     candidates.append(factors.solve(rule, operands, [None] * len(results), mesh))
     if contraction:   # also in the result's layout, operands moved first
       candidates.append(factors.solve(rule, [None] * len(operands), results, mesh))
+  if contraction:
+    candidates += _from_copies(rule, ins, operands, len(results), mesh)
   keys = [tuple(sorted(c.items())) for c in candidates]
   made: dict[tuple, LocalPlan] = {}     # a repeated candidate is planned and costed once
   seedable = (frozenset.intersection(*[o.target.partial for o in outs])
@@ -239,6 +241,23 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
       seen.add(key)
       options.append(_option(mesh, ins, outs, p, costs[k], k == best, grows[k]))
   return dataclasses.replace(plans[best], options=tuple(options))
+
+
+def _from_copies(rule: FactorRule, ins, operands, n_results: int, mesh) -> list[dict]:
+  """Choices solved with one operand read in the layout of a copy an earlier
+  op left of it (the forward's gathered activation, read again by the weight
+  gradient's dot), the results free: that operand then sends nothing, where
+  solving from its propagated layout can split a factor the copy does not,
+  gather the other operand and move the result (GSPMD reads the copy: XLA
+  merges the two gathers)."""
+  out = []
+  for n, (v, o) in enumerate(zip(ins, operands)):
+    for h in sorted(v.have, key=str):
+      if o is not None and not h.partial:
+        seen = list(operands)
+        seen[n] = factors.view_as(o, h, o.fixed)
+        out.append(factors.solve(rule, seen, [None] * n_results, mesh))
+  return out
 
 
 def _relocations(rule: FactorRule, ins, plan: LocalPlan, choice, blocked, mesh):
