@@ -26,6 +26,12 @@ reads beside it that stays as it is (a weight gradient made in its weight's
 layout for the update, as GShard prefers); never a pinned value, a program
 input or output, a pending sum, or a value of a loop's or branch's body.
 
+A call's link that moves its value (``jax.nn.relu``'s inner operand laid
+out otherwise than the value passed in) is tried the other way: the inner
+operand in the outer value's layout, carried on to the values made of it
+through ops passing a layout on (the relu's result, its mask, the gradient
+it selects), priced as above.
+
 The plans priced read the copies the partitioner will hold: a layout an
 earlier reader's plan moved an operand to is reused, and a layout that only
 slices one is cut from it (``Context.reshard``). With ``x [32, 64@a*b]``
@@ -117,11 +123,12 @@ class _Pass:
         if (c.scope not in self.scopes or not any(map(self.free, c.operands))
             or _agrees(c)):
           continue
-        for u, want in self.moved(c):
+        for u, want, forward in ([(u, w, False) for u, w in self.moved(c)]
+                                 + [(u, w, True) for u, w in self.pushed(c)]):
           if not self.free(u) or (_shards(want, self.mesh) < _shards(u.sharding, self.mesh)
                                   and not self.aligns(c, u, want)):
             continue
-          chain = self.chain(u, want)
+          chain = self.chain(u, want, forward)
           if chain and self.cheaper(chain):
             for t, layout in chain.values():
               t.sharding = layout
@@ -178,7 +185,20 @@ class _Pass:
         self.moves[key] = found
     return [(c.operands[n], want) for n, want in found]
 
-  def chain(self, u: Tensor, want: TensorSharding) -> dict:
+  def pushed(self, c) -> list[tuple[Tensor, TensorSharding]]:
+    """A call's link that moves its value (the call's inner operand laid out
+    otherwise than the value it is passed): the inner side in the outer
+    side's layout (:meth:`chain` then carries it on to what the call makes
+    of it)."""
+    if not _link(c) or len(c.operands) != 1 or len(c.results) != 1:
+      return []
+    (src,), (dst,) = c.operands, c.results
+    if src is None or dst is None or src.sharding.partial:
+      return []
+    a, z = src.sharding.without_partial(), dst.sharding.without_partial()
+    return [] if a == z or is_refinement(a, z) else [(dst, a)]
+
+  def chain(self, u: Tensor, want: TensorSharding, forward: bool = False) -> dict:
     """id -> (tensor, layout): ``u`` in ``want`` and the values it is made of
     through ops passing a layout through (their other readers are priced
     with them); empty past ``MAX_CHAIN`` values."""
@@ -189,7 +209,23 @@ class _Pass:
       layout = chain[id(t)][1]
       for k in self.touching.get(id(t), ()):
         b = g.bounds[k]
-        if b.scope not in self.scopes or not any(r is t for r in b.results):
+        if b.scope not in self.scopes:
+          continue
+        if forward:
+          # the values made of ``t`` through ops passing a layout on
+          n = next((n for n, v in enumerate(b.operands) if v is t), None)
+          r = b.results[0] if len(b.results) == 1 else None
+          if (n is None or any(x is t for x in b.results) or not passes(b.rule, n)
+              or not self.free(r) or id(r) in chain):
+            continue
+          choice = factors.project(b.rule.operands[n], layout.dims, b.rule.size_of, self.mesh)
+          dims = factors.unproject(b.rule.results[0], choice, b.rule.size_of, self.mesh)
+          chain[id(r)] = (r, TensorSharding(tuple(dims)))
+          stack.append(r)
+          if len(chain) > MAX_CHAIN:
+            return {}
+          continue
+        if not any(r is t for r in b.results):
           continue
         choice = factors.project(b.rule.results[0], layout.dims, b.rule.size_of, self.mesh)
         for n, v in enumerate(b.operands):
