@@ -159,3 +159,22 @@ def test_a_weight_gradient_is_solved_from_the_gathered_activation():
   assert "operand 1 its copy resharded earlier (sends nothing); result 0 all_gather[a,b]" \
       in lowered.explain()
   _close(part(p, xs), jax.jit(_relu_step)(p, xs))
+
+
+def test_an_option_holding_less_than_the_one_it_replaces_is_taken():
+  # w1 [64@a, 128@b], w2 [128@(b,a), 64], x [32@(b,a), 64]. For dW1 = x^T @
+  # dh, the plan from the tensors' own layouts gathers x whole and
+  # all-to-alls the result (9 KiB, 7 KiB more held); reading x's copy and
+  # gathering dh over a sends 2 KiB and holds 2 KiB more. It was passed over
+  # for holding more than the least of the first two plans (one that sends
+  # 30 KiB): the step sent 28.5 KiB (GSPMD: 25 KiB). An option now competes
+  # with the first plans' cheaper one: 21.5 KiB.
+  p, xs = _args()
+  specs = ({"w1": P("a", "b"), "w2": P(("b", "a"), None), "w3": P()}, P(("b", "a"), None))
+  part = gshard.partition(_relu_step, mesh((2, 4), ("a", "b")), in_specs=specs,
+                          out_specs=specs[0])
+  lowered = part.lower(p, xs)
+  assert lowered.total_bytes() == 21.5 * 1024, lowered.explain()
+  assert "chosen    2.0 KiB  (c) reshard operands first: operand 0 all_gather[a]; operand 1 " \
+      "its copy resharded earlier (sends nothing)" in lowered.explain()
+  _close(part(p, xs), jax.jit(_relu_step)(p, xs))

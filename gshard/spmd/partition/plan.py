@@ -209,11 +209,13 @@ def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_r
   cost = {k: plan_cost(mesh, ins, outs, p) for k, p in made.items()}
   costs = [cost[k] for k in keys]
   # Option (c) runs only where its operand reshards hold no more than those
-  # of the plans it competes with (the operands as they arrive, an
-  # all-to-all, where those gather nothing): a gathered weight or activation
-  # is memory an expert's layout does not spend (GShard's caveat on (c)).
+  # of the plan it competes with (the cheaper of the tensors' own layouts and
+  # the operands as they arrive: an all-to-all, where those gather nothing):
+  # a gathered weight or activation is memory an expert's layout does not
+  # spend (GShard's caveat on (c)).
   grows = [_operand_growth(mesh, ins, p) for p in plans]
-  eligible = [k for k in range(len(plans)) if k < 2 or grows[k] <= min(grows[:2])]
+  own = min(range(min(2, len(plans))), key=lambda k: (costs[k], k))
+  eligible = [k for k in range(len(plans)) if k < 2 or grows[k] <= grows[own]]
   if relocate and min(costs[k] for k in eligible) > 0:
     # Moving an operand's split to another of its dims first (an all-to-all)
     # where the plans above would gather it or leave its sum pending: the
