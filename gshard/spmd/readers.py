@@ -200,8 +200,9 @@ class _Pass:
 
   def chain(self, u: Tensor, want: TensorSharding, forward: bool = False) -> dict:
     """id -> (tensor, layout): ``u`` in ``want`` and the values it is made of
-    through ops passing a layout through (their other readers are priced
-    with them); empty past ``MAX_CHAIN`` values."""
+    (``forward``: the values made of it) through ops passing a layout
+    through (their other readers are priced with them); empty past
+    ``MAX_CHAIN`` values."""
     g = self.graph
     chain, stack = {id(u): (u, want)}, [u]
     while stack:
