@@ -81,6 +81,11 @@ def _shards(s: TensorSharding, mesh) -> int:
   return math.prod(mesh[a] for d in s.dims for a in d)
 
 
+def _moves(a: TensorSharding, z: TensorSharding) -> bool:
+  """Whether a value passed from layout ``a`` to ``z`` moves (not a slice)."""
+  return a != z and not is_refinement(a, z)
+
+
 def _link(b) -> bool:
   """Whether ``b`` links a call's operand or result to its inner jaxpr's."""
   return b.eqn.primitive.name in _CALLS
@@ -196,7 +201,7 @@ class _Pass:
     if src is None or dst is None or src.sharding.partial:
       return []
     a, z = src.sharding.without_partial(), dst.sharding.without_partial()
-    return [] if a == z or is_refinement(a, z) else [(dst, a)]
+    return [(dst, a)] if _moves(a, z) else []
 
   def chain(self, u: Tensor, want: TensorSharding, forward: bool = False) -> dict:
     """id -> (tensor, layout): ``u`` in ``want`` and the values it is made of
@@ -204,6 +209,7 @@ class _Pass:
     through (their other readers are priced with them); empty past
     ``MAX_CHAIN`` values."""
     g = self.graph
+    step = self._made_from if forward else self._made_of
     chain, stack = {id(u): (u, want)}, [u]
     while stack:
       t = stack.pop()
@@ -212,31 +218,33 @@ class _Pass:
         b = g.bounds[k]
         if b.scope not in self.scopes:
           continue
-        if forward:
-          # the values made of ``t`` through ops passing a layout on
-          n = next((n for n, v in enumerate(b.operands) if v is t), None)
-          r = b.results[0] if len(b.results) == 1 else None
-          if (n is None or any(x is t for x in b.results) or not passes(b.rule, n)
-              or not self.free(r) or id(r) in chain):
-            continue
-          choice = factors.project(b.rule.operands[n], layout.dims, b.rule.size_of, self.mesh)
-          dims = factors.unproject(b.rule.results[0], choice, b.rule.size_of, self.mesh)
-          chain[id(r)] = (r, TensorSharding(tuple(dims)))
-          stack.append(r)
-          if len(chain) > MAX_CHAIN:
-            return {}
-          continue
-        if not any(r is t for r in b.results):
-          continue
-        choice = factors.project(b.rule.results[0], layout.dims, b.rule.size_of, self.mesh)
-        for n, v in enumerate(b.operands):
-          if self.free(v) and id(v) not in chain and passes(b.rule, n):
-            dims = factors.unproject(b.rule.operands[n], choice, b.rule.size_of, self.mesh)
+        for v, dims in step(b, t, layout):
+          if self.free(v) and id(v) not in chain:
             chain[id(v)] = (v, TensorSharding(tuple(dims)))
             stack.append(v)
             if len(chain) > MAX_CHAIN:
               return {}        # priced op by op, a longer chain costs more than it saves
     return chain
+
+  def _made_of(self, b, t: Tensor, layout: TensorSharding):
+    """Where ``b`` makes ``t`` laid out as ``layout``: each operand that
+    passes its layout to ``t``, with the dims it then has."""
+    if not any(r is t for r in b.results):
+      return
+    choice = factors.project(b.rule.results[0], layout.dims, b.rule.size_of, self.mesh)
+    for n, v in enumerate(b.operands):
+      if v is not None and passes(b.rule, n):
+        yield v, factors.unproject(b.rule.operands[n], choice, b.rule.size_of, self.mesh)
+
+  def _made_from(self, b, t: Tensor, layout: TensorSharding):
+    """Where ``b`` reads ``t`` laid out as ``layout`` and passes its layout
+    on: ``b``'s result, with the dims it then has."""
+    n = next((n for n, v in enumerate(b.operands) if v is t), None)
+    if n is None or any(r is t for r in b.results) or not passes(b.rule, n):
+      return
+    choice = factors.project(b.rule.operands[n], layout.dims, b.rule.size_of, self.mesh)
+    yield b.results[0], factors.unproject(b.rule.results[0], choice, b.rule.size_of,
+                                          self.mesh)
 
   def cheaper(self, chain: dict) -> bool:
     """Whether every op making or reading ``chain``'s values sends strictly
@@ -271,7 +279,7 @@ class _Pass:
         (src,), (dst,) = b.operands, b.results
         if src is not None and dst is not None:
           a, z = (layouts.get(id(t), t.sharding).without_partial() for t in (src, dst))
-          if a != z and not is_refinement(a, z):
+          if _moves(a, z):
             moves[(id(src), z)] = reshard.plan_reshard(
                 a, z, tuple(dst.shape), dst.dtype, mesh).bytes_per_device
         continue
