@@ -752,6 +752,8 @@ def test_an_elementwise_tie_goes_to_the_better_supported_factor():
     mp.setattr(propagate, "lay_out_for_readers", lambda graph, touching: None)
     before = gshard.partition(step, m, in_specs=(P("y", "x"), P("y", "x"))).lower(w, x)
     assert before.total_bytes() == 466, before.explain()
-  # the values readers move laid out for them (spmd/readers.py): 434 B
+  # the values readers move laid out for them (spmd/readers.py), and the
+  # results dots made and then moved kept as they are made: 274 B (434 B
+  # with readers alone; GSPMD's compiled program sends 344)
   low = part.lower(w, x)
-  assert low.total_bytes() == 434, low.explain()
+  assert low.total_bytes() == 274, low.explain()

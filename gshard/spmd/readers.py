@@ -32,6 +32,12 @@ operand in the outer value's layout, carried on to the values made of it
 through ops passing a layout on (the relu's result, its mask, the gradient
 it selects), priced as above.
 
+A result its maker's plan makes in one layout and then moves (a dot made
+``[32, 128@b*a]`` and moved to ``a*b`` for the relu reading it) is tried in
+the layout it is made in, carried on the same way: the relu's result and
+mask made there, the relu's result moved for the next dot instead of the
+dot's, and the mask no longer moved back for the gradient's select.
+
 The plans priced read the copies the partitioner will hold: a layout an
 earlier reader's plan moved an operand to is reused, and a layout that only
 slices one is cut from it (``Context.reshard``). With ``x [32, 64@a*b]``
@@ -125,11 +131,11 @@ class _Pass:
       changed = False
       for k in range(len(self.graph.bounds) - 1, -1, -1):
         c = self.graph.bounds[k]
-        if (c.scope not in self.scopes or not any(map(self.free, c.operands))
-            or _agrees(c)):
+        if (c.scope not in self.scopes or _agrees(c)
+            or not any(map(self.free, list(c.operands) + list(c.results)))):
           continue
         for u, want, forward in ([(u, w, False) for u, w in self.moved(c)]
-                                 + [(u, w, True) for u, w in self.pushed(c)]):
+                                 + [(u, w, True) for u, w in self.pushed(c) + self.made(c)]):
           if not self.free(u) or (_shards(want, self.mesh) < _shards(u.sharding, self.mesh)
                                   and not self.aligns(c, u, want)):
             continue
@@ -202,6 +208,23 @@ class _Pass:
       return []
     a, z = src.sharding.without_partial(), dst.sharding.without_partial()
     return [(dst, a)] if _moves(a, z) else []
+
+  def made(self, c) -> list[tuple[Tensor, TensorSharding]]:
+    """The results the partitioner's plan for ``c`` makes in another layout
+    and then moves: each in the layout it is made in (:meth:`chain` carries
+    it on to the values made of it)."""
+    if _link(c) or not any(map(self.free, c.results)):
+      return []
+    planned = self.plan(c, {})
+    if planned is None:
+      return []
+    out = []
+    for r, s in zip(c.results, planned[0].results):
+      if r is None or s is None or s.partial or r.sharding.partial:
+        continue
+      if _moves(r.sharding.without_partial(), s):
+        out.append((r, s))
+    return out
 
   def chain(self, u: Tensor, want: TensorSharding, forward: bool = False) -> dict:
     """id -> (tensor, layout): ``u`` in ``want`` and the values it is made of
