@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -190,6 +191,60 @@ def test_a_result_stays_where_its_dot_makes_it():
   assert _compiled_bytes(gshard.gspmd_jit(_sgd, m, in_specs=specs, out_specs=specs[0]),
                          p, xs) == 22528
   _close(part(p, xs), jax.jit(_sgd)(p, xs))
+
+
+def _accumulated_fsdp_step(p, x):
+  # an MLP's gradients accumulated over the micro-batches of x [K, M, D]
+  # (a scan), the weights split over data on the hidden dim (FSDP), the
+  # hidden activation annotated batch split (as Flax's logical constraint
+  # writes it)
+  def loss(p, xb):
+    h = xb @ p["w_in"] + p["b_in"]
+    h = gshard.shard(jax.nn.gelu(h), P("data", None))
+    return jnp.mean((h @ p["w_out"]) ** 2)
+
+  def body(acc, xb):
+    return jax.tree.map(jnp.add, acc, jax.grad(loss)(p, xb)), None
+  acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), x)
+  return jax.tree.map(lambda w, g: w - 0.1 * g, p, acc)
+
+
+def test_a_loop_body_is_laid_out_as_one_region_for_its_readers():
+  # In the scan body, x_k [128@data, 64] @ w_in [64, 128@data] ties: gathering
+  # either sends 56 KiB. Propagation left the tie to the bias add, which took
+  # w_in's feature split, so the GELU ran feature split and its forward and
+  # backward values were moved to the annotation's batch split and back, in
+  # every trip (215040 B). The body is laid out too now, and where one way's
+  # chain sends no fewer bytes the region of elementwise ops around it (the
+  # GELU's forward and the backward ops reading it) is laid out as one where
+  # its ops send fewer bytes: the weights are gathered and the gradients
+  # reduce-scattered, FSDP's bytes (173376 B)
+  rng = np.random.default_rng(0)
+  p = {"w_in": rng.standard_normal((64, 128)).astype(np.float32) / 8,
+       "b_in": rng.standard_normal(128).astype(np.float32) / 8,
+       "w_out": rng.standard_normal((128, 64)).astype(np.float32) / 8}
+  xs = rng.standard_normal((2, 128, 64)).astype(np.float32)
+  specs = ({"w_in": P(None, "data"), "b_in": P("data"), "w_out": P("data", None)},
+           P(None, "data"))
+  m = mesh((8,), ("data",))
+
+  def sent():
+    return _compiled_bytes(gshard.partition(_accumulated_fsdp_step, m, in_specs=specs,
+                                            out_specs=specs[0]), p, xs)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(readers, "_BODIES", frozenset())      # the body as propagated
+    assert sent() == 215040
+  sweeps = readers._Pass._sweeps
+  with pytest.MonkeyPatch.context() as mp:            # chains one way only
+    mp.setattr(readers._Pass, "_sweeps",
+               lambda self, regions: False if regions else sweeps(self, False))
+    assert sent() == 215040
+  assert sent() == 173376
+  part = gshard.partition(_accumulated_fsdp_step, m, in_specs=specs, out_specs=specs[0])
+  assert {c.kind for c in part.lower(p, xs).collectives()} == {"all_gather", "psum_scatter"}
+  assert _compiled_bytes(gshard.gspmd_jit(_accumulated_fsdp_step, m, in_specs=specs,
+                                          out_specs=specs[0]), p, xs) == 288960
+  _close(part(p, xs), jax.jit(_accumulated_fsdp_step)(p, xs))
 
 
 def _relu_grad_step(pin, where):

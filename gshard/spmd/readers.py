@@ -24,7 +24,21 @@ value's shard count (never a gather: a value made replicated costs every
 device its compute), but for a move to the layout of a value the reader
 reads beside it that stays as it is (a weight gradient made in its weight's
 layout for the update, as GShard prefers); never a pinned value, a program
-input or output, a pending sum, or a value of a loop's or branch's body.
+input or output, a pending sum, or a loop's or branch's body's input or
+output (a loop carries them, branches agree on them: the values inside a
+body are laid out as the top program's are, its ops priced per trip).
+
+Where a candidate's chain one way sends no fewer bytes, its region is tried
+after the chains have settled: the values its values are made of and those
+made of them, both ways, through the same ops. Inside a scan accumulating
+an FSDP MLP's gradients, with ``x_k [128@data, 64]`` and ``w_in [64,
+128@data]`` tying at their dot, propagation gave the GELU ``w_in``'s
+feature split from the bias add; the batch-split annotation after it then
+moved the GELU's values there and back, forward and backward, every trip.
+The GELU's forward values and the backward ops reading them laid out as one
+gather the weights instead. A region is priced as a chain is; regions run
+after the chains (one kept first could leave a later chain no longer
+cheaper), then the chains run again.
 
 A call's link that moves its value (``jax.nn.relu``'s inner operand laid
 out otherwise than the value passed in) is tried the other way: the inner
@@ -54,7 +68,7 @@ import math
 
 from gshard.spmd import factors, linearity, reshard
 from gshard.spmd.partition import plan
-from gshard.spmd.graph import Graph, Tensor
+from gshard.spmd.graph import Graph, Tensor, sub_jaxprs
 from gshard.spmd.sharding import TensorSharding, is_refinement
 from gshard.spmd.updates import passes
 
@@ -72,6 +86,10 @@ MAX_CHAIN = 256
 # through a barrier)
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
                     "custom_vjp_call"})
+
+# ops whose bodies the pass lays out, their inputs and outputs as they are
+# (a loop carries them, branches agree on them)
+_BODIES = frozenset({"scan", "while", "cond"})
 
 
 def lay_out_for_readers(graph: Graph, touching: dict[int, list[int]]) -> None:
@@ -111,14 +129,13 @@ class _Pass:
 
   def __init__(self, graph: Graph, touching: dict[int, list[int]]):
     self.graph, self.touching, self.mesh = graph, touching, graph.mesh_sizes
-    # the top scope and those of calls run inline in it (jnp.where's jit,
-    # jax.nn.relu's custom_jvp_call), not loops' or branches' bodies
-    self.scopes = {()}
-    for b in graph.bounds:
-      if _link(b) and b.scope in self.scopes:
-        self.scopes.update(t.scope for t in b.operands + b.results if t is not None)
-    self.ends = {id(t) for v in list(graph.top.invars) + list(graph.top.outvars)
-                 if (t := graph.tensor((), v)) is not None}
+    # the top scope, loops' and branches' bodies, and the calls run inline in
+    # any of them (jnp.where's jit, jax.nn.relu's custom_jvp_call); a body's
+    # inputs and outputs stay as they are, as the program's do
+    linked = {t.scope for b in graph.bounds if _link(b)
+              for t in b.operands + b.results if t is not None}
+    self.scopes, self.ends = set(), set()
+    self._scopes(graph.top, (), linked)
     self.moves: dict = {}      # _moved's answer per op, rule and layouts
     self.rules: dict = {}      # id(bound) -> its planned factor rule, or None
     self.index = {id(b): k for k, b in enumerate(graph.bounds)}
@@ -126,7 +143,36 @@ class _Pass:
     # chain is kept: then every plan may read other layouts or copies)
     self.current: dict = {}
 
+  def _scopes(self, jaxpr, scope, linked) -> None:
+    """Add ``scope`` (its jaxpr ``jaxpr``) and the scopes nested in it that
+    the pass lays out; a loop's or branch's body (not a call run inline) with
+    its inputs and outputs as ends."""
+    self.scopes.add(scope)
+    if scope == () or scope not in linked:
+      self.ends.update(id(t) for v in list(jaxpr.constvars) + list(jaxpr.invars)
+                       + list(jaxpr.outvars) if (t := self.graph.tensor(scope, v)) is not None)
+    for idx, eqn in enumerate(jaxpr.eqns):
+      name = eqn.primitive.name
+      if name not in _BODIES and name not in _CALLS:
+        continue
+      for path, inner in sub_jaxprs(eqn.params):
+        sub = scope + ((idx, path),)
+        if name in _BODIES or sub in linked:
+          self._scopes(inner, sub, linked)
+
   def run(self) -> None:
+    # chains one way first; then regions, on the layouts those left (a region
+    # kept first can leave a later reader's chain no longer cheaper); then
+    # chains again on what the regions left
+    self._sweeps(False)
+    if self._sweeps(True):
+      self._sweeps(False)
+
+  def _sweeps(self, regions: bool) -> bool:
+    """Sweeps over the readers, last first, while one kept a chain (at most
+    ``ROUNDS``); ``regions``: each candidate's region (:meth:`chain` both
+    ways) where its chain alone sends no fewer bytes. Whether any was kept."""
+    kept = False
     for _ in range(ROUNDS):
       changed = False
       for k in range(len(self.graph.bounds) - 1, -1, -1):
@@ -140,13 +186,19 @@ class _Pass:
                                   and not self.aligns(c, u, want)):
             continue
           chain = self.chain(u, want, forward)
-          if chain and self.cheaper(chain):
+          if regions:
+            if not chain or self.cheaper(chain):
+              continue              # (one way, a later sweep of chains keeps it)
+            wide = self.chain(u, want, None)
+            chain = wide if len(wide) > len(chain) and self.cheaper(wide) else {}
+          if chain and (regions or self.cheaper(chain)):
             for t, layout in chain.values():
               t.sharding = layout
             self.current.clear()
-            changed = True
+            changed = kept = True
       if not changed:
         break
+    return kept
 
   def aligns(self, c, u: Tensor, want: TensorSharding) -> bool:
     """Whether ``c`` reads, beside ``u``, a value of its shape that stays as
@@ -232,7 +284,12 @@ class _Pass:
     through (their other readers are priced with them); empty past
     ``MAX_CHAIN`` values."""
     g = self.graph
-    step = self._made_from if forward else self._made_of
+    if forward is None:
+      def step(b, t, layout):
+        yield from self._made_of(b, t, layout)
+        yield from self._made_from(b, t, layout)
+    else:
+      step = self._made_from if forward else self._made_of
     chain, stack = {id(u): (u, want)}, [u]
     while stack:
       t = stack.pop()
