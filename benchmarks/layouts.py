@@ -156,16 +156,17 @@ def write_doc(rows: list[dict], seed: int, load: tuple[float, float]) -> None:
       "",
       "Reading: each operand an op's plan moves is tried in the layout that op reads it "
       "in, with the values it is made of back through elementwise ops and calls run "
-      "inline, and a call that moves its operand computes where the operand is "
-      "(`spmd/readers.py`), priced by the partitioner's plans with the copies earlier "
-      "ops leave; a contraction is also solved from such a copy (the weight gradient's "
+      "inline; a call that moves its operand computes where the operand is, and a "
+      "result its op makes in one layout and then moves stays where it is made; "
+      "where none of those sends fewer bytes, the region of elementwise ops around "
+      "the value, both ways, is laid out as one (`spmd/readers.py`), priced by the "
+      "partitioner's plans with the copies earlier ops leave; a contraction is also solved from such a copy (the weight gradient's "
       "dot reads the activation the forward pass gathered: that copy sends nothing). "
       "Where gshard still sends more (other seeds: `--seed 1`, `2`, `3`), GSPMD mostly "
       "holds more: for a weight gradient's dot it gathers the other operand whole, which "
       "gshard's plans do only where that holds no more than the plan it replaces "
-      "(GShard's caveat on option (c)). In the rest gshard moves a small value twice "
-      "(a relu's mask, 512 B) or gathers an activation into two layouts (1 KiB more) "
-      "where GSPMD gathers it once.",
+      "(GShard's caveat on option (c)); in one layout gshard gathers an activation "
+      "into two layouts (1 KiB more) where GSPMD gathers it once.",
       "",
   ]
   with open(DOC, "w") as fh:
