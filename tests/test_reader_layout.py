@@ -147,49 +147,36 @@ def test_a_weight_gradient_is_made_in_its_weights_layout(specs, before, after, x
   _close(part(p, xs), jax.jit(_sgd)(p, xs))
 
 
-def test_a_call_computes_where_its_operand_is():
-  # x [32@a, 64], w1 [64, 128@(b,a)], w2 [128@(b,a), 64]. x @ w1 is made
-  # [32, 128@(b,a)] from x gathered; the relu (a custom_jvp_call) took its
-  # operand as [32@a, 128@b] (an all-to-all at the call) and its gradient
-  # was moved back for dW1 (another). The call's inner operand laid out as
-  # the value it is passed, carried on to the relu's result, its mask and the
-  # gradient it selects, sends neither: 20480 -> 18432 B, GSPMD's bytes.
+@pytest.mark.parametrize("source, specs, before, after, absent", [
+    # x [32@a, 64], w1 [64, 128@(b,a)], w2 [128@(b,a), 64]. x @ w1 is made
+    # [32, 128@(b,a)] from x gathered; the relu (a custom_jvp_call) took its
+    # operand as [32@a, 128@b] (an all-to-all at the call) and its gradient
+    # was moved back for dW1 (another). The call's inner operand laid out as
+    # the value it is passed, carried on to the relu's result, its mask and
+    # the gradient it selects, sends neither: 20480 -> 18432 B, GSPMD's bytes
+    ("pushed", ({"w1": P(None, ("b", "a")), "w2": P(("b", "a"), None)}, P("a", None)),
+     20480, 18432, lambda c: c.kind == "all_to_all"),
+    # x [32@a, 64], w1 [64, 128@(b,a)], w2 [128@(a,b), 64]. x @ w1 is made
+    # [32, 128@(b,a)] and its plan moved it to w2's (a,b) for the relu: the
+    # relu's mask was then made in (a,b), and moved back (512 B) for the
+    # gradient's select, made in w1's (b,a) for dW1. The dot's result kept
+    # in the layout it is made in, carried on to the relu's result and mask,
+    # moves the relu's result instead (as GSPMD does): 23040 -> 22528 B
+    ("made", ({"w1": P(None, ("b", "a")), "w2": P(("a", "b"), None)}, P("a", None)),
+     23040, 22528, lambda c: c.dtype == "bool"),
+], ids=["a call computes where its operand is", "a result stays where it is made"])
+def test_a_value_is_carried_forward_from_where_it_is(source, specs, before, after, absent):
   p, xs = _args()
-  specs = ({"w1": P(None, ("b", "a")), "w2": P(("b", "a"), None)}, P("a", None))
   m = mesh((2, 4), ("a", "b"))
   part = gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0])
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(readers._Pass, "pushed", lambda self, c: [])
+    mp.setattr(readers._Pass, source, lambda self, c: [])
     assert _compiled_bytes(gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0]),
-                           p, xs) == 20480
+                           p, xs) == before
   low = part.lower(p, xs)
-  assert _compiled_bytes(part, p, xs) == 18432
-  assert not [c for c in low.collectives() if c.kind == "all_to_all"], low.explain()
-  assert _compiled_bytes(gshard.gspmd_jit(_sgd, m, in_specs=specs, out_specs=specs[0]),
-                         p, xs) == 18432
-  _close(part(p, xs), jax.jit(_sgd)(p, xs))
-
-
-def test_a_result_stays_where_its_dot_makes_it():
-  # x [32@a, 64], w1 [64, 128@(b,a)], w2 [128@(a,b), 64]. x @ w1 is made
-  # [32, 128@(b,a)] and its plan moved it to w2's (a,b) for the relu: the
-  # relu's mask was then made in (a,b), and moved back (512 B) for the
-  # gradient's select, made in w1's (b,a) for dW1. The dot's result kept in
-  # the layout it is made in, carried on to the relu's result and mask, moves
-  # the relu's result instead (as GSPMD does): 23040 -> 22528 B
-  p, xs = _args()
-  specs = ({"w1": P(None, ("b", "a")), "w2": P(("a", "b"), None)}, P("a", None))
-  m = mesh((2, 4), ("a", "b"))
-  part = gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0])
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(readers._Pass, "made", lambda self, c: [])
-    assert _compiled_bytes(gshard.partition(_sgd, m, in_specs=specs, out_specs=specs[0]),
-                           p, xs) == 23040
-  low = part.lower(p, xs)
-  assert _compiled_bytes(part, p, xs) == 22528
-  assert not [c for c in low.collectives() if c.dtype == "bool"], low.explain()
-  assert _compiled_bytes(gshard.gspmd_jit(_sgd, m, in_specs=specs, out_specs=specs[0]),
-                         p, xs) == 22528
+  xla = _compiled_bytes(gshard.gspmd_jit(_sgd, m, in_specs=specs, out_specs=specs[0]), p, xs)
+  assert _compiled_bytes(part, p, xs) == after == xla    # GSPMD's bytes
+  assert not [c for c in low.collectives() if absent(c)], low.explain()
   _close(part(p, xs), jax.jit(_sgd)(p, xs))
 
 
