@@ -278,11 +278,11 @@ class _Pass:
         out.append((r, s))
     return out
 
-  def chain(self, u: Tensor, want: TensorSharding, forward: bool = False) -> dict:
+  def chain(self, u: Tensor, want: TensorSharding, forward: bool | None = False) -> dict:
     """id -> (tensor, layout): ``u`` in ``want`` and the values it is made of
-    (``forward``: the values made of it) through ops passing a layout
-    through (their other readers are priced with them); empty past
-    ``MAX_CHAIN`` values."""
+    (``forward``: the values made of it; None: both, and theirs both ways,
+    its region) through ops passing a layout through (their other readers
+    are priced with them); empty past ``MAX_CHAIN`` values."""
     g = self.graph
     if forward is None:
       def step(b, t, layout):
