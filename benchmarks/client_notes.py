@@ -27,10 +27,13 @@ NOTES = """
   scan): both compute each micro-batch data parallel (the model's logical
   constraints split the activations' batch inside the loop). gshard moves the
   tokens' rows once, before the loop (collective permutes of 256 B), gathers
-  the weights once, before the loop, and reduce-scatters each micro-batch's
-  weight gradients into the split sum. GSPMD all-reduces the whole gradient in
-  each iteration (3.13 MiB a micro-batch) before slicing out each device's
-  part.
+  the weights in each micro-batch and reduce-scatters each micro-batch's
+  weight gradients into the split sum (FSDP's pattern, per micro-batch); the
+  MLP's hidden activation stays batch split inside the loop (the loop body is
+  laid out for its readers, `spmd/readers.py`; before, it was moved to the
+  feature split and back in every trip, 7.51 MiB a step). GSPMD all-reduces
+  the whole gradient in each iteration (3.13 MiB a micro-batch) before
+  slicing out each device's part.
 - `resnet`: both exchange the same halos (collective permutes) in the spatially
   split stem. After it, GSPMD gathers activations around the channel-split
   convolutions and all-reduces their input gradients; gshard moves more of the
