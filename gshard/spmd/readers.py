@@ -142,6 +142,10 @@ class _Pass:
     # (id(bound), earlier) -> its plan with the layouts as they are (until a
     # chain is kept: then every plan may read other layouts or copies)
     self.current: dict = {}
+    # (id(candidate), layout, direction) of chains priced not cheaper with
+    # the layouts as they are (until a chain is kept): the region phase and
+    # a later sweep do not price them again
+    self.failed: set = set()
 
   def _scopes(self, jaxpr, scope, linked) -> None:
     """Add ``scope`` (its jaxpr ``jaxpr``) and the scopes nested in it that
@@ -186,16 +190,22 @@ class _Pass:
                                   and not self.aligns(c, u, want)):
             continue
           chain = self.chain(u, want, forward)
+          if not chain:
+            continue
           if regions:
-            if not chain or self.cheaper(chain):
+            if self.cheaper(chain, (id(u), want, forward)):
               continue              # (one way, a later sweep of chains keeps it)
             wide = self.chain(u, want, None)
-            chain = wide if len(wide) > len(chain) and self.cheaper(wide) else {}
-          if chain and (regions or self.cheaper(chain)):
-            for t, layout in chain.values():
-              t.sharding = layout
-            self.current.clear()
-            changed = kept = True
+            if len(wide) <= len(chain) or not self.cheaper(wide, (id(u), want, None)):
+              continue
+            chain = wide
+          elif not self.cheaper(chain, (id(u), want, forward)):
+            continue
+          for t, layout in chain.values():
+            t.sharding = layout
+          self.current.clear()
+          self.failed.clear()
+          changed = kept = True
       if not changed:
         break
     return kept
@@ -326,11 +336,22 @@ class _Pass:
     yield b.results[0], factors.unproject(b.rule.results[0], choice, b.rule.size_of,
                                           self.mesh)
 
-  def cheaper(self, chain: dict) -> bool:
+  def cheaper(self, chain: dict, key=None) -> bool:
     """Whether every op making or reading ``chain``'s values sends strictly
     fewer bytes, as the partitioner plans them, with those values laid out
     as ``chain`` says than as propagated (False where an op is not planned
-    from its one factor rule)."""
+    from its one factor rule); ``key`` names the chain where its answer is
+    remembered (a chain found not cheaper is not priced again until one is
+    kept)."""
+    if key in self.failed:
+      return False
+    if not self._cheaper(chain):
+      if key is not None:
+        self.failed.add(key)
+      return False
+    return True
+
+  def _cheaper(self, chain: dict) -> bool:
     g = self.graph
     near = {k for t, _ in chain.values() for k in self.touching.get(id(t), ())}
     # and the later readers of what those ops read: a copy an op moved an
