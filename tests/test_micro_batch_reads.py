@@ -232,14 +232,26 @@ def test_inside_jit_and_differentiated():
   _check_equal(part(w, x), jax.jit(dx)(w, x))
 
 
-def _unrolled(count: int, form: str, wrt_x: bool = False):
+# what a step may do to its batch before the loop (exact on small integers):
+# the loop then reads a value made of the input, not the input
+_PREP = {
+    None: lambda w, x: x,
+    "bf16": lambda w, x: x.astype(jnp.bfloat16).astype(x.dtype),
+    "scale": lambda w, x: x * 2.0,
+    "shift": lambda w, x: x - w[:, 0],
+}
+
+
+def _unrolled(count: int, form: str, wrt_x: bool = False, prep=None):
   """The same step as a Python loop: ``x[k*M:(k+1)*M]`` (``slices``),
   ``x.reshape(K, M, ...)[k]`` (``index``) or ``jnp.split(x, K)[k]``
   (``split``); ``wrt_x``: the gradient with respect to ``x`` too (jax
   transposes each read into a pad and sums them, or a split into a
-  concatenate)."""
+  concatenate); ``prep``: the batch cast, scaled or shifted first
+  (``_PREP``)."""
   def total(w, x, y):
     rows = x.shape[0] // count
+    x = _PREP[prep](w, x)
     if form == "index":
       xs, ys = x.reshape(count, rows, -1), y.reshape(count, rows, -1)
     elif form == "split":
@@ -265,7 +277,8 @@ def _unrolled(count: int, form: str, wrt_x: bool = False):
 @given(data=st.data())
 def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
   """A Python loop over the micro-batches, by static slices, by indexing the
-  reshaped batch or by ``jnp.split``, the gradient of ``x`` too or not; random meshes,
+  reshaped batch or by ``jnp.split``, of the batch or of a value made of it
+  (cast, scaled, shifted), the gradient of ``x`` too or not; random meshes,
   batch axes, K from 2 to past the device count, rows per device, NaNs or
   not: bit for bit ``jax.jit``'s values; nothing gathered, every dot reads
   this device's rows of its micro-batch (``B / K / n``), and the gradient of
@@ -273,8 +286,9 @@ def test_python_loop_accumulation_is_data_parallel_and_equals_one_device(data):
   shape, names, sizes, axes, n, count, rows = draw_batch(data, least=2)
   form = data.draw(st.sampled_from(["slices", "index", "split"]), label="form")
   wrt_x = data.draw(st.booleans(), label="gradient of x too")
-  low = _run_drawn(data, _unrolled(count, form, wrt_x), shape, names, axes, count * rows,
-                   nan_in=1)
+  prep = data.draw(st.sampled_from(sorted(_PREP, key=str)), label="batch made first")
+  low = _run_drawn(data, _unrolled(count, form, wrt_x, prep), shape, names, axes,
+                   count * rows, nan_in=1)
   dots = [e for e in low.per_device_jaxpr().eqns if e.primitive.name == "dot_general"]
   assert len(dots) >= count and all(
       e.invars[0].aval.shape[0] == rows // n for e in dots), low.explain()

@@ -30,11 +30,13 @@ they get the same layout:
   (:func:`_pad_sums`), where each pad of a split micro-batch gathered it.
   ``jnp.split(x, K)`` of the leading dim into equal pieces is read the same
   way; its transpose, a concatenate of equal pieces on the leading dim,
-  becomes the pieces stacked on ``[K, M, ...]`` and reshaped once. Only the
-  program's inputs (an inner program's too) are read so, and only pads and
-  concatenates into such an input's shape, in its micro-batches, are
-  rewritten: other equal splits and concatenates (halves of an activation,
-  a fused projection's weights) are no loop over micro-batches.
+  becomes the pieces stacked on ``[K, M, ...]`` and reshaped once. Only a
+  batch is read so (:func:`_batches`: the program's inputs, an inner
+  program's too, and values made of one row by row, such as a cast to
+  bf16), and only pads and concatenates into such a batch's shape, in its
+  micro-batches, are rewritten: other equal splits and concatenates (halves
+  of an activation, a fused projection's weights) are no loop over
+  micro-batches.
 
 Step ``t`` (slice ``k``) reads the same rows either way, and no start is
 clamped, so the values are the same. Programs inside ``jax.jit`` and loops
@@ -49,7 +51,9 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Literal, Var
 
+from gshard.spmd.partition import plan
 from gshard.spmd.rules.control import accumulators
+from gshard.spmd.updates import passes
 
 
 def reshaped_reads(closed: ClosedJaxpr) -> ClosedJaxpr:
@@ -62,7 +66,8 @@ def reshaped_reads(closed: ClosedJaxpr) -> ClosedJaxpr:
 def _rewrite(jaxpr):
   read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
   read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
-  tiled, reshaped, inputs = _tilings(jaxpr), {}, set(jaxpr.invars)
+  inputs = _batches(jaxpr)
+  tiled, reshaped = _tilings(jaxpr, inputs), {}
   families = _families(jaxpr, tiled, inputs)
   sums, pieces = _pad_sums(jaxpr, families), {}
   eqns, changed = [], False
@@ -109,17 +114,35 @@ def _reshapeable(x) -> bool:
           and not jax.dtypes.issubdtype(x.aval.dtype, jax.dtypes.extended))
 
 
-def _tilings(jaxpr) -> dict:
+def _batches(jaxpr) -> set:
+  """The program's inputs (or an inner program's), and the values made of
+  one by ops passing its layout on (a cast to bf16, ``x / 255``, ``x -
+  mean``, ``x * mask``): each row of theirs is made of that row of a batch."""
+  out = set(jaxpr.invars)
+  for e in jaxpr.eqns:
+    if len(e.outvars) != 1 or not any(
+        not isinstance(v, Literal) and v in out for v in e.invars):
+      continue
+    try:
+      rule = plan.factor_rule_of(e)
+    except (TypeError, NotImplementedError):
+      continue
+    if any(not isinstance(v, Literal) and v in out and passes(rule, n)
+           for n, v in enumerate(e.invars)):
+      out.add(e.outvars[0])
+  return out
+
+
+def _tilings(jaxpr, inputs: set) -> dict:
   """``id(slice eqn) -> M`` for the ``slice`` readers of ``M >= 2`` rows that
-  tile an input's leading dim (every ``[k*M, (k+1)*M)`` read, ``K >= 2``,
-  the other dims whole, no strides). Its other slices (strided, of some
-  columns) stay as they are. Slices of one row (``xs[k]``) already read the
-  micro-batches of a reshaped batch. Only the program's inputs (or an inner
-  program's): a batch. Halves of an activation (a contrastive loss's
-  ``a, b``) are no micro-batches: a second reader found them moved to their
-  rows only to be multiplied together (1344 -> 1600 B)."""
+  tile the leading dim of a batch of ``inputs`` (every ``[k*M, (k+1)*M)``
+  read, ``K >= 2``, the other dims whole, no strides). Its other slices
+  (strided, of some columns) stay as they are. Slices of one row (``xs[k]``)
+  already read the micro-batches of a reshaped batch. Only a batch
+  (:func:`_batches`): halves of an activation (a contrastive loss's ``a,
+  b``) are no micro-batches: a second reader found them moved to their rows
+  only to be multiplied together (1344 -> 1600 B)."""
   readers: dict = {}
-  inputs = set(jaxpr.invars)
   for e in jaxpr.eqns:
     x = e.invars[0] if e.primitive.name == "slice" else None
     if x is None or not _reshapeable(x) or x not in inputs:

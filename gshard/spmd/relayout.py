@@ -240,9 +240,12 @@ def propose(graph, touching) -> set[int]:
   micro-batches are a loop's: the result is the ``xs`` of a scan over the
   micro-batch dim, or read only by slices of one micro-batch (a split); or
   the operand is a scan's ``ys``, or a sum of pads of one micro-batch each
-  (a merge: the transposed reshape of a backward pass). The constraints
-  touching a changed result. (Elsewhere the partitioner moves rows only
-  where something pins the result so.)"""
+  (a merge: the transposed reshape of a backward pass). A merge whose
+  result nothing lays out (a sum of rows reads it) takes the split of the
+  batch cut into its micro-batches (the reshape of that shape into this
+  one), as the batch's own gradient would. The constraints touching a
+  changed result. (Elsewhere the partitioner moves rows only where
+  something pins the result so.)"""
   mesh = graph.mesh_sizes
   out: set[int] = set()
   for b in graph.bounds:
@@ -262,6 +265,25 @@ def propose(graph, touching) -> set[int]:
     if dims is not None:
       res.sharding = TensorSharding(dims, res.sharding.partial)
       out.update(touching.get(id(res), ()))
+  # a merge whose pieces came out unsplit (the micro-batches they are made
+  # of split only now) and that nothing else lays out: the split of the
+  # batch cut into those micro-batches, as that batch's gradient would have
+  # (a parameter shifting the batch: its gradient sums the merge's rows)
+  reshapes = [b for b in graph.bounds if b.eqn is not None and b.eqn.primitive.name == "reshape"
+              and len(b.operands) == 1 and len(b.results) == 1
+              and b.operands[0] is not None and b.results[0] is not None]
+  batches = {(tuple(b.operands[0].shape), tuple(b.results[0].shape)): b.operands[0].sharding.dims[0]
+             for b in reshapes if b.operands[0].shape and b.operands[0].sharding.dims[0]}
+  for b in reshapes:
+    (op,), (res,) = b.operands, b.results
+    axes = batches.get((tuple(res.shape), tuple(op.shape)))
+    if (axes is None or len(op.shape) < 2 or any(res.sharding.dims) or res.fixed
+        or res.sharding.partial or is_key(op.dtype)
+        or tuple(op.shape) != (op.shape[0], res.shape[0] // op.shape[0]) + tuple(res.shape[1:])
+        or not _written_per_micro_batch(graph, touching, op)):
+      continue
+    res.sharding = TensorSharding((axes,) + res.sharding.dims[1:])
+    out.update(touching.get(id(res), ()))
   return out
 
 
