@@ -243,7 +243,7 @@ def _as_pieces(e, family, root: bool, pieces: dict) -> list:
 
 
 def _equal_split(e, inputs) -> int:
-  """``M`` where ``e`` is ``jnp.split(x, K)`` of an input (:func:`_tilings`)
+  """``M`` where ``e`` is ``jnp.split(x, K)`` of a batch (:func:`_tilings`)
   on the leading dim into ``K >= 2`` pieces of ``M >= 2`` rows; 0 otherwise."""
   if (e.primitive.name != "split" or e.params["axis"] != 0 or not _reshapeable(e.invars[0])
       or e.invars[0] not in inputs):

@@ -279,7 +279,7 @@ def propose(graph, touching) -> set[int]:
     axes = batches.get((tuple(res.shape), tuple(op.shape)))
     if (axes is None or len(op.shape) < 2 or any(res.sharding.dims) or res.fixed
         or res.sharding.partial or is_key(op.dtype)
-        or tuple(op.shape) != (op.shape[0], res.shape[0] // op.shape[0]) + tuple(res.shape[1:])
+        or op.shape[0] * op.shape[1] != res.shape[0] or op.shape[2:] != res.shape[1:]
         or not _written_per_micro_batch(graph, touching, op)):
       continue
     res.sharding = TensorSharding((axes,) + res.sharding.dims[1:])
