@@ -241,9 +241,9 @@ def propose(graph, touching) -> set[int]:
   micro-batch dim, or read only by slices of one micro-batch (a split); or
   the operand is a scan's ``ys``, or a sum of pads of one micro-batch each
   (a merge: the transposed reshape of a backward pass). A merge whose
-  result nothing lays out (a sum of rows reads it) takes the split of the
-  batch cut into its micro-batches (the reshape of that shape into this
-  one), as the batch's own gradient would. The constraints touching a
+  result nothing lays out (a sum of rows reads it) takes the whole split
+  of the batch cut into its micro-batches (the reshape of that shape into
+  this one), as the batch's own gradient would. The constraints touching a
   changed result. (Elsewhere the partitioner moves rows only where
   something pins the result so.)"""
   mesh = graph.mesh_sizes
@@ -265,10 +265,12 @@ def propose(graph, touching) -> set[int]:
     if dims is not None:
       res.sharding = TensorSharding(dims, res.sharding.partial)
       out.update(touching.get(id(res), ()))
-  # a merge whose pieces came out unsplit (the micro-batches they are made
-  # of split only now) and that nothing else lays out: the split of the
-  # batch cut into those micro-batches, as that batch's gradient would have
-  # (a parameter shifting the batch: its gradient sums the merge's rows)
+  # a merge whose pieces came out unsplit or split on part of the batch's
+  # axes (the micro-batches they are made of split only now, or on their
+  # rows only later: a slice of one micro-batch takes the rest) and that
+  # nothing else lays out: the split of the batch cut into those
+  # micro-batches, as that batch's gradient would have (a parameter
+  # shifting the batch: its gradient sums the merge's rows)
   reshapes = [b for b in graph.bounds if b.eqn is not None and b.eqn.primitive.name == "reshape"
               and len(b.operands) == 1 and len(b.results) == 1
               and b.operands[0] is not None and b.results[0] is not None]
@@ -277,7 +279,8 @@ def propose(graph, touching) -> set[int]:
   for b in reshapes:
     (op,), (res,) = b.operands, b.results
     axes = batches.get((tuple(res.shape), tuple(op.shape)))
-    if (axes is None or len(op.shape) < 2 or any(res.sharding.dims) or res.fixed
+    if (axes is None or len(op.shape) < 2 or any(res.sharding.dims[1:])
+        or not set(res.sharding.dims[0]) < set(axes) or res.fixed
         or res.sharding.partial or is_key(op.dtype)
         or op.shape[0] * op.shape[1] != res.shape[0] or op.shape[2:] != res.shape[1:]
         or not _written_per_micro_batch(graph, touching, op)):
