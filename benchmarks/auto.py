@@ -85,9 +85,10 @@ def run():
     shape = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
     try:
       plan = gshard.auto_shard(step, mesh, memory_limit=limit)(*args)   # default options
-    except ValueError as e:      # no layout fits: the error is the result
-      rows.append((name, f"({shape})", format_bytes(limit), "no fit", "-", "-", "-", "-",
-                   "-", "-", "-"))
+    except (ValueError, TimeoutError) as e:   # no layout fits / out of time: the result
+      rows.append((name, f"({shape})", format_bytes(limit),
+                   "no fit" if isinstance(e, ValueError) else "out of time", "-", "-", "-",
+                   "-", "-", "-", "-"))
       plans.append((name, limit, str(e)))
       continue
     h, d = plan.evaluate(hand), plan.evaluate(dp)

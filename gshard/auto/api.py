@@ -282,8 +282,9 @@ class AutoShard:
     reported infeasible, whatever a smaller limit found. None fits: no
     layout fits, and the error says the least compiled memory they reached
     (raised to that, the limit fits one; where no probe solves, the model's
-    least). Then, for fewer bytes, the budget is stepped up from the
-    fitting probe's (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan
+    least); a TimeoutError instead when a probe's solve stopped at
+    ``time_limit`` (its plan is not the best at its budget). Then, for fewer
+    bytes, the budget is stepped up from the fitting probe's (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan
     still fits, keeping the fitting plan that sends least; not when the
     model found no plan at the limit (the probe is returned)."""
     # the plan without a limit first: the model may put it above what XLA
@@ -318,7 +319,18 @@ class AutoShard:
       # plan's memory depends on the limit, so it promises nothing)
       if not probes:              # none solved: the model's least is all there is
         raise self._infeasible(least)
-      raise self._infeasible(min(a.memory for a in probes.values()))
+      reached = min(a.memory for a in probes.values())
+      unproven = [a for a in probes.values() if a.found.status != "optimal"]
+      if unproven:
+        # a plan the solver had when its time ran out is not its best one, and
+        # the best may compile to less: 'no layout fits' would be a guess
+        raise TimeoutError(
+            f"memory_limit={format_bytes(limit)} ({limit:.0f} bytes): no plan found "
+            f"fits (the least memory reached is {format_bytes(reached)}), but the "
+            f"integer program stopped at its time limit at {len(unproven)} of the "
+            f"{len(probes)} least-memory budgets, before proving its plan best "
+            f"({unproven[0].found.status}); a better plan may fit")
+      raise self._infeasible(reached)
     # the fitting plans sit near the least memory (compiled memory rises in
     # plateaus): step the budget up from there, not down from the top
     budget, step = best.opts.memory_limit, IMPROVE_STEP
@@ -417,7 +429,11 @@ def auto_shard(fn: Callable, mesh, *, in_specs=None, memory_limit: float | None 
     latency: bytes a collective costs beyond what it sends (ties go to fewer
       collectives).
     min_bytes: values smaller than this stay replicated.
-    time_limit: seconds the integer program may run.
+    time_limit: seconds each solve of the integer program may run. A solve
+      stopped there keeps the best plan it has (the plan's status says so);
+      where no plan fits the limit and one of the least-memory solves was
+      stopped, a ``TimeoutError`` says so (a better plan may fit), never
+      'no layout fits'.
     runner_up_seconds: seconds, in all, for the exact runner-up of each
       argument (after that, runner-ups hold the rest of the plan fixed;
       marked ``~``). They explain the plan and do not change it: 10 s keeps
