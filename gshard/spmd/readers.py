@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 
-from gshard.spmd import factors, linearity, reshard
+from gshard.spmd import factors, linearity, relayout, reshard
 from gshard.spmd.partition import plan
 from gshard.spmd.graph import Graph, Tensor, sub_jaxprs
 from gshard.spmd.sharding import TensorSharding, is_refinement
@@ -383,6 +383,15 @@ class _Pass:
           if _moves(a, z):
             moves[(id(src), z)] = reshard.plan_reshard(
                 a, z, tuple(dst.shape), dst.dtype, mesh).bytes_per_device
+        continue
+      rows = None
+      if (b.eqn is not None and b.eqn.primitive.name == "reshape"
+          and len(b.operands) == len(b.results) == 1 and None not in b.operands + b.results):
+        (u,), (r,) = b.operands, b.results
+        rows = relayout.moved_bytes(b, layouts.get(id(u), u.sharding),
+                                    layouts.get(id(r), r.sharding), mesh)
+      if rows is not None:      # the partitioner moves the rows (relayout.py)
+        total += rows
         continue
       p = self.plan(b, layouts)
       if p is None:

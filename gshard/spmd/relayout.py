@@ -48,7 +48,7 @@ from jax.extend.core import Literal
 from gshard.spmd import factors
 from gshard.spmd.collectives import is_key
 from gshard.spmd.rules.control import accumulators
-from gshard.spmd.sharding import Axes, TensorSharding
+from gshard.spmd.sharding import Axes, TensorSharding, itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +113,31 @@ def find(rule, eqn, op_dims, mesh) -> Move | None:
 def target_dim(move: Move) -> int:
   """The result's dim that takes the split."""
   return move.compound if move.merge else move.rows
+
+
+def moved_bytes(bound, op: TensorSharding, res: TensorSharding, mesh) -> float | None:
+  """Bytes per device the partitioner's reshape (one operand, one result)
+  sends moving rows (``partition/shape.py``) with its operand laid out as
+  ``op`` and its result as ``res``: the ppermute rounds that move pieces of
+  the block. None where it would not move rows so (then the generic rule's
+  plan prices it); kept to a move alone: no other dim split, no sum
+  pending."""
+  (u,), (r,) = bound.operands, bound.results
+  if op.partial or res.partial or is_key(u.dtype):
+    return None
+  move = find(bound.rule, bound.eqn, op.dims, mesh)
+  if move is None:
+    return None
+  src, dst = (move.rows, move.compound) if move.merge else (move.compound, move.rows)
+  if (res.dims[dst] != move.axes or any(a for k, a in enumerate(res.dims) if k != dst)
+      or any(a for k, a in enumerate(op.dims) if k != src)):
+    return None
+  n = math.prod(mesh[a] for a in move.axes)
+  if u.shape[src] % n or r.shape[dst] % n:
+    return None
+  dest = schedule(move.count, n)[1]
+  rounds = sum(bool((row != np.arange(n)).any()) for row in dest)
+  return rounds * (math.prod(u.shape) // n // move.count) * itemsize(u.dtype)
 
 
 def carried(bound, mesh) -> frozenset[str]:
