@@ -284,9 +284,10 @@ class AutoShard:
     (raised to that, the limit fits one; where no probe solves, the model's
     least); a TimeoutError instead when a probe's solve stopped at
     ``time_limit`` (its plan is not the best at its budget). Then, for fewer
-    bytes, the budget is stepped up from the fitting probe's (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan
-    still fits, keeping the fitting plan that sends least; not when the
-    model found no plan at the limit (the probe is returned)."""
+    bytes, the budget is stepped up from the fitting probe's
+    (``IMPROVE_ROUNDS``, ``IMPROVE_STEP``) while the plan still fits,
+    keeping the fitting plan that sends least; not when the model found no
+    plan at the limit (the probe is returned)."""
     # the plan without a limit first: the model may put it above what XLA
     # needs, and then above the least-memory plans (a limit it fits was refused)
     free = attempt(None)

@@ -40,6 +40,13 @@ gather the weights instead. A region is priced as a chain is; regions run
 after the chains (one kept first could leave a later chain no longer
 cheaper), then the chains run again.
 
+A reshape whose rows the partitioner moves (``relayout.py``: ``[B@A] -> [K,
+M@A]`` by ppermute rounds) is priced as those rounds, not as the generic
+rule's plan (which gathers what the micro-batch dim cannot hold): an op
+pinned to the rows' split reading ``[32@(x,y)] -> [4, 8]`` on a 2x4 mesh
+has the reshape made there, 16 B where gathering ``y`` and moving the
+result sent 72 B.
+
 A call's link that moves its value (``jax.nn.relu``'s inner operand laid
 out otherwise than the value passed in) is tried the other way: the inner
 operand in the outer value's layout, carried on to the values made of it
@@ -259,7 +266,14 @@ class _Pass:
     return [(c.operands[n], want) for n, want in found]
 
   def pushed(self, c) -> list[tuple[Tensor, TensorSharding]]:
-    """A call's link that moves its value (the call's inner operand laid out
+    """A reshape whose rows the partitioner moves (``relayout.py``: ``[B@A] -> [K,
+M@A]`` by ppermute rounds) is priced as those rounds, not as the generic
+rule's plan (which gathers what the micro-batch dim cannot hold): an op
+pinned to the rows' split reading ``[32@(x,y)] -> [4, 8]`` on a 2x4 mesh
+has the reshape made there, 16 B where gathering ``y`` and moving the
+result sent 72 B.
+
+A call's link that moves its value (the call's inner operand laid out
     otherwise than the value it is passed): the inner side in the outer
     side's layout (:meth:`chain` then carries it on to what the call makes
     of it)."""
