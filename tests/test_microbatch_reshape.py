@@ -152,6 +152,35 @@ def test_a_split_the_first_axis_holds_part_of_moves_for_an_elementwise_reader():
         assert low.total_bytes() <= a.size // 8 * a.dtype.itemsize, where
 
 
+def test_k_equal_to_the_first_axis_moves_without_gathering():
+  """``[K, M@(x,y)] -> [B@(x,y)]`` with K the first axis's size (2 on a 2x4
+  mesh, 4 on a 4x2): the factors hold the split (K takes ``x``, M ``y``),
+  so no rows move, and propagation settled the reshape's factors apart
+  (K ``x`` from the result, M ``x*y`` from the operand); its plan gathered
+  the operand (112 B for 128 B of values). The reshape is now planned in
+  its result's layout too, the operand moved to ``[K@x, M@y]`` first: no
+  gather, and at most twice the block (a permutation and an all-to-all).
+  Both directions, pinned and read by an elementwise op; bit for bit."""
+  for shape in ((2, 4), (4, 2)):
+    m = mesh(shape, ("x", "y"))
+    count = shape[0]
+    x = np.arange(32, dtype=np.float32) - 9
+    xs = x.reshape(count, -1)
+    cases = [("merge", lambda a: lax.reshape(a, (32,)), xs, P(None, ("x", "y")),
+              P(("x", "y"))),
+             ("merge, neg", lambda a: -lax.reshape(a, (32,)), xs, P(None, ("x", "y")),
+              P(("x", "y"))),
+             ("split, neg", lambda a: -lax.reshape(a, (count, 32 // count)), x,
+              P(("x", "y")), P(None, ("x", "y")))]
+    for name, f, a, in_spec, out_spec in cases:
+      step = gshard.partition(f, m, in_specs=(in_spec,), out_specs=out_spec)
+      low = step.lower(a)
+      np.testing.assert_array_equal(np.asarray(step(a)), np.asarray(jax.jit(f)(a)))
+      where = f"{shape} {name}: {low.explain()}"
+      assert "all_gather" not in {c.kind for c in low.collectives()}, where
+      assert low.total_bytes() <= 2 * (a.size // 8 * 4), where
+
+
 def _accumulate(count: int):
   def step(w, x, y):
     """SGD on the sum of the micro-batches' gradients (MaxText's form)."""

@@ -4,13 +4,13 @@
 used) and weighs candidate choices by the bytes their reshards send:
 propagation's choice for the whole equation; the operands' own layout
 (compute where the data is, then reshard the result: GShard's einsum option
-(a)); for a contraction, the result's layout with the operands moved first
-(option (c)); for a table lookup or its scatter-add gradient, and for
-``concatenate`` / ``split`` along a split dim, the operands' layout with a
-split the op would gather or leave pending moved to another dim of the same
-operand first (an all-to-all; the result then moves back the same way, as
-GSPMD does). It gives the operand and
-result shardings of the cheapest, and a contraction's alternatives with their
+(a)); for a contraction (and a reshape), the result's layout with the
+operands moved first (option (c)); for a table lookup or its scatter-add
+gradient, and for ``concatenate`` / ``split`` along a split dim, the
+operands' layout with a split the op would gather or leave pending moved to
+another dim of the same operand first (an all-to-all; the result then moves
+back the same way, as GSPMD does). It gives the operand and result
+shardings of the cheapest, and a contraction's alternatives with their
 bytes for ``explain()`` (:class:`Option`). ``generic.bind_local`` runs a plan.
 """
 
@@ -31,6 +31,12 @@ from gshard.spmd.sharding import TensorSharding, fit_axes, itemsize
 # ops that cut or join pieces along a dim (blocked from a split): their
 # operands' split moves to another dim first where that sends less than a gather
 PIECES = frozenset({"concatenate", "split"})
+# ops planned in their result's layout too, the operand moved first (as a
+# contraction's option (c)): a reshape whose dims' factors propagation
+# settled apart (``[2, 16@x*y] -> [32@x*y]``: the 2 took ``x`` from the
+# result, the 16 ``x*y`` from the operand) gathered its operand (112 B on a
+# 2x4 mesh) where moving it to ``[2@x, 16@y]`` first sends 24
+RESULT_FIRST = frozenset({"reshape"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +122,8 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
   equation; those its operands hold (compute where the data is, then reshard
   the result: GShard's einsum option (a), which turns a split moving from G
   to E in MoE dispatch into one all-to-all instead of gathering the
-  operands); for a contraction, the result's (option (c)); for a lookup
+  operands); for a contraction and a reshape (RESULT_FIRST), the result's
+  (option (c)); for a lookup
   (LOOKUPS) and for an op that cuts or joins pieces along a dim (PIECES), the
   operands' with a split they would lose moved to another of the operand's
   dims (``_relocations``). The one that sends fewer bytes wins; ties go to
@@ -141,7 +148,7 @@ def plan_local(ctx: Context, eqn, ins: list[Value], scope, *, blocked=frozenset(
               for var in eqn.outvars)
   return _planned(rule, in_, operands, results, out, frozenset(blocked),
                   bool(allow_other_reduction), eqn.primitive.name in CONTRACTIONS, relocate,
-                  tuple(ctx.mesh_sizes.items()))
+                  tuple(ctx.mesh_sizes.items()), eqn.primitive.name in RESULT_FIRST)
 
 
 def _planned(*key) -> LocalPlan:
@@ -176,7 +183,8 @@ def plan_of(rule: FactorRule, eqn, operands, results, marks, released,
                for t, v, r in zip(results, eqn.outvars, released))
   return _planned(rule, ins, tuple(map(factors.view, operands)),
                   tuple(map(factors.view, results)), outs, frozenset(), False,
-                  name in CONTRACTIONS, lookup or name in PIECES, tuple(mesh.items())), ins, outs
+                  name in CONTRACTIONS, lookup or name in PIECES, tuple(mesh.items()),
+                  name in RESULT_FIRST), ins, outs
 
 
 @functools.lru_cache(maxsize=1 << 15)
@@ -185,12 +193,12 @@ def _plan_memo(*key) -> LocalPlan:
 
 
 def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_reduction,
-          contraction, relocate, mesh_items) -> LocalPlan:
+          contraction, relocate, mesh_items, result_first=False) -> LocalPlan:
   mesh = dict(mesh_items)
   candidates = [factors.solve(rule, operands, results, mesh, settled=True)]
   if any(r is not None for r in results):
     candidates.append(factors.solve(rule, operands, [None] * len(results), mesh))
-    if contraction:   # also in the result's layout, operands moved first
+    if contraction or result_first:   # also in the result's layout, operands moved first
       candidates.append(factors.solve(rule, [None] * len(operands), results, mesh))
   if contraction:
     candidates += _from_copies(rule, ins, operands, len(results), mesh)
