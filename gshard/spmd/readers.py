@@ -266,14 +266,7 @@ class _Pass:
     return [(c.operands[n], want) for n, want in found]
 
   def pushed(self, c) -> list[tuple[Tensor, TensorSharding]]:
-    """A reshape whose rows the partitioner moves (``relayout.py``: ``[B@A] -> [K,
-M@A]`` by ppermute rounds) is priced as those rounds, not as the generic
-rule's plan (which gathers what the micro-batch dim cannot hold): an op
-pinned to the rows' split reading ``[32@(x,y)] -> [4, 8]`` on a 2x4 mesh
-has the reshape made there, 16 B where gathering ``y`` and moving the
-result sent 72 B.
-
-A call's link that moves its value (the call's inner operand laid out
+    """A call's link that moves its value (the call's inner operand laid out
     otherwise than the value it is passed): the inner side in the outer
     side's layout (:meth:`chain` then carries it on to what the call makes
     of it)."""
@@ -398,12 +391,7 @@ A call's link that moves its value (the call's inner operand laid out
             moves[(id(src), z)] = reshard.plan_reshard(
                 a, z, tuple(dst.shape), dst.dtype, mesh).bytes_per_device
         continue
-      rows = None
-      if (b.eqn is not None and b.eqn.primitive.name == "reshape"
-          and len(b.operands) == len(b.results) == 1 and None not in b.operands + b.results):
-        (u,), (r,) = b.operands, b.results
-        rows = relayout.moved_bytes(b, layouts.get(id(u), u.sharding),
-                                    layouts.get(id(r), r.sharding), mesh)
+      rows = relayout.moved_bytes(b, lambda t: layouts.get(id(t), t.sharding), mesh)
       if rows is not None:      # the partitioner moves the rows (relayout.py)
         total += rows
         continue

@@ -115,14 +115,17 @@ def target_dim(move: Move) -> int:
   return move.compound if move.merge else move.rows
 
 
-def moved_bytes(bound, op: TensorSharding, res: TensorSharding, mesh) -> float | None:
-  """Bytes per device the partitioner's reshape (one operand, one result)
-  sends moving rows (``partition/shape.py``) with its operand laid out as
-  ``op`` and its result as ``res``: the ppermute rounds that move pieces of
-  the block. None where it would not move rows so (then the generic rule's
-  plan prices it); kept to a move alone: no other dim split, no sum
+def moved_bytes(bound, layout_of, mesh) -> float | None:
+  """Bytes per device the partitioner sends for ``bound`` where it is a
+  reshape moving rows (``partition/shape.py``) with its operand and result
+  laid out as ``layout_of(tensor)`` says: the ppermute rounds that move
+  pieces of the block. None for any other op or layouts (then the generic
+  rule's plan prices it); kept to a move alone: no other dim split, no sum
   pending."""
-  (u,), (r,) = bound.operands, bound.results
+  pair = _one_to_one(bound)
+  if pair is None:
+    return None
+  (u, r), (op, res) = pair, map(layout_of, pair)
   if op.partial or res.partial or is_key(u.dtype):
     return None
   move = find(bound.rule, bound.eqn, op.dims, mesh)
@@ -138,6 +141,14 @@ def moved_bytes(bound, op: TensorSharding, res: TensorSharding, mesh) -> float |
   dest = schedule(move.count, n)[1]
   rounds = sum(bool((row != np.arange(n)).any()) for row in dest)
   return rounds * (math.prod(u.shape) // n // move.count) * itemsize(u.dtype)
+
+
+def _one_to_one(b) -> tuple | None:
+  """``(operand, result)`` of a reshape bound with one of each; None otherwise."""
+  if (b.eqn is None or b.eqn.primitive.name != "reshape" or len(b.operands) != 1
+      or len(b.results) != 1 or b.operands[0] is None or b.results[0] is None):
+    return None
+  return b.operands[0], b.results[0]
 
 
 def carried(bound, mesh) -> frozenset[str]:
@@ -296,9 +307,7 @@ def propose(graph, touching) -> set[int]:
   # nothing else lays out: the split of the batch cut into those
   # micro-batches, as that batch's gradient would have (a parameter
   # shifting the batch: its gradient sums the merge's rows)
-  reshapes = [b for b in graph.bounds if b.eqn is not None and b.eqn.primitive.name == "reshape"
-              and len(b.operands) == 1 and len(b.results) == 1
-              and b.operands[0] is not None and b.results[0] is not None]
+  reshapes = [b for b in graph.bounds if _one_to_one(b) is not None]
   batches = {(tuple(b.operands[0].shape), tuple(b.results[0].shape)): b.operands[0].sharding.dims[0]
              for b in reshapes if b.operands[0].shape and b.operands[0].sharding.dims[0]}
   for b in reshapes:

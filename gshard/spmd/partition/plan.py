@@ -193,7 +193,7 @@ def _plan_memo(*key) -> LocalPlan:
 
 
 def _plan(rule: FactorRule, ins, operands, results, outs, blocked, allow_other_reduction,
-          contraction, relocate, mesh_items, result_first=False) -> LocalPlan:
+          contraction, relocate, mesh_items, result_first) -> LocalPlan:
   mesh = dict(mesh_items)
   candidates = [factors.solve(rule, operands, results, mesh, settled=True)]
   if any(r is not None for r in results):
