@@ -17,7 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import AbstractMesh
@@ -311,18 +311,44 @@ def check(fn, mesh, prog: Program):
       if e is not P.UNCONSTRAINED:
         assert got.dims[i] == want[i], (spec, got)
 
-  # a true fixed point: no constraint can refine anything further
-  for bound in again.graph.bounds:
+  # a true fixed point: no constraint can refine anything further. Checked on
+  # propagation proper: the readers pass after it may lay a value out less
+  # split than a pinned reader's constraint would refine it to, by design
+  # (an annotation's operand made in the layout of a program input read
+  # beside it: the annotation slices it), where that sends fewer bytes
+  with _without_readers_pass():
+    plain = gshard.infer_shardings(fn, mesh, in_specs=in_specs)(*structs)
+  for bound in plain.graph.bounds:
     assert not engine.step(bound, sizes)[0], (bound.eqn.primitive, str(bound.rule))
   return res
+
+
+@contextlib.contextmanager
+def _without_readers_pass():
+  lay_out = engine.lay_out_for_readers
+  engine.lay_out_for_readers = lambda graph, touching: None
+  try:
+    yield
+  finally:
+    engine.lay_out_for_readers = lay_out
 
 
 # Each example costs ~10-100 ms (trace + propagate twice): run 5x the profile's count.
 MORE = settings(max_examples=5 * settings().max_examples)
 
 
+# the readers pass makes the annotated `neg` replicated, as the input `add`
+# reads beside it: the annotation slices it (found under --hypothesis-seed=31)
+_SLICED_ANNOTATION = (AbstractMesh((2,), ("x",)), Program(
+    inputs=[(2,), (2,), (1,)], in_specs=[None, P(), None],
+    ops=[Op("exp", (0,)), Op("neg", (1,)), Op("split", (4,), (0, ("x",))),
+         Op("add", (4, 1)), Op("exp", (0,)), Op("exp", (0,)), Op("exp", (6,))],
+    outputs=[9]))
+
+
 @MORE
 @given(cases())
+@example(_SLICED_ANNOTATION)
 def test_random_programs(case):
   mesh, prog = case
   with monotone():
