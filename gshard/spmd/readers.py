@@ -352,11 +352,17 @@ class _Pass:
     kept)."""
     if key in self.failed:
       return False
-    if not self._cheaper(chain):
+    if not all(self.fits(t, layout) for t, layout in chain.values()) or not self._cheaper(chain):
       if key is not None:
         self.failed.add(key)
       return False
     return True
+
+  def fits(self, t: Tensor, layout: TensorSharding) -> bool:
+    """Whether ``layout`` splits no dim of ``t`` into more shards than it
+    has elements (as propagation never does; a pinned value may)."""
+    return all(math.prod(self.mesh[a] for a in axes) <= n
+               for n, axes in zip(t.shape, layout.dims))
 
   def _cheaper(self, chain: dict) -> bool:
     g = self.graph
