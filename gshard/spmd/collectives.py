@@ -220,6 +220,34 @@ def _apply_ppermute(x, step, global_shape, sizes, order):
   return lax.ppermute(x, axis_name(axes), perm)
 
 
+def _apply_exchange(x, step, global_shape, sizes, order):
+  """``exchange.py``: the pieces this device holds, then one received per
+  round (a ppermute of the piece each device sends), stacked; its new block's
+  pieces taken from the stack by its row of ``take`` and laid out."""
+  ex = step.exchange
+  me = linear_axis_index(ex.axes, sizes)
+
+  def cut(offsets):                     # this device's piece at its row of offsets
+    at = jnp.asarray(np.asarray(offsets, np.int32))[me]
+    out = x
+    for d, q in enumerate(ex.piece):
+      if q != out.shape[d]:
+        out = local_slice(out, at[d], q, d)
+    return out
+
+  pieces = [cut(offsets) for offsets in ex.held]
+  for pairs, offsets in ex.rounds:
+    dest = dict(pairs)
+    pieces.append(permute(cut(offsets), ex.axes, sizes, dest.get))
+  stack = jnp.stack(pieces)
+  got = jnp.take(stack, jnp.asarray(np.asarray(ex.take, np.int32))[me], axis=0)
+  rank, tail = len(ex.piece), tuple(x.shape[len(ex.piece):])   # (a key's data dims)
+  got = got.reshape(ex.counts + ex.piece + tail)       # [c0, c1, .., q0, q1, ..]
+  got = got.transpose([k for d in range(rank) for k in (d, rank + d)]
+                      + list(range(2 * rank, 2 * rank + len(tail))))
+  return got.reshape(tuple(c * q for c, q in zip(ex.counts, ex.piece)) + tail)
+
+
 def permute(x, axes: Axes, sizes: MeshSizes, dest):
   """``lax.ppermute`` over ``axes``: the device at linear index ``i`` (major
   first over ``axes``) sends ``x`` to ``dest(i)`` (``None``: to nobody).
@@ -246,5 +274,5 @@ def renumbering(old: Axes, new: Axes, sizes: MeshSizes) -> list[int]:
 
 _APPLY = {"slice": _apply_slice, "pad": _apply_pad,
           "all_to_all": _apply_all_to_all, "psum": _apply_psum,
-          "ppermute": _apply_ppermute}
+          "ppermute": _apply_ppermute, "exchange": _apply_exchange}
 _LEADING = {"psum_scatter": _apply_psum_scatter, "all_gather": _apply_all_gather}

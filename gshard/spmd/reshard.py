@@ -25,6 +25,8 @@ all_to_all    minor-most axes of dim i -> appended to dim j  (n-1)/n * S
 all_gather    drop the minor-most axis of a dim              (n-1)/n * S_out
 ppermute      same tiling, other device order (e.g.          S
               ``(a,b) -> (b,a)`` or ``a -> b`` of one size)
+exchange      src -> dst at once, each device receiving the  rounds * piece
+              pieces it lacks (only as run: ``exchange.py``)
 ============  =============================================  ==================
 
 So the cheap cases come out as GSPMD orders them: identical -> no step;
@@ -58,13 +60,14 @@ import heapq
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from gshard.spmd.sharding import (Axes, MeshSizes, TensorSharding, is_refinement, itemsize,
                                   validate)
 
-COLLECTIVE_KINDS = ("all_gather", "all_to_all", "psum", "psum_scatter", "ppermute")
+COLLECTIVE_KINDS = ("all_gather", "all_to_all", "psum", "psum_scatter", "ppermute", "exchange")
 LOCAL_KINDS = ("slice", "pad")
 
 
@@ -84,6 +87,7 @@ class Step:
     length: pad only: the new local (= padded global) length of ``dim``.
     perm: ppermute only: ``(source, destination)`` pairs of linear indices over
       ``axes`` (major to minor, in the order of ``axes``).
+    exchange: exchange only: its pieces and rounds (``exchange.Exchange``).
 
   Example: ``Step("all_gather", ("model",), 0, 384)`` gathers dim 0 over
   ``model``; printed ``all_gather(model) dim 0: 384 B``.
@@ -97,6 +101,7 @@ class Step:
   dst_dim: int | None = None
   length: int | None = None
   perm: tuple[tuple[int, int], ...] = ()
+  exchange: Any = None
 
   @property
   def is_collective(self) -> bool:
@@ -189,7 +194,7 @@ def cut_from(held: TensorSharding, dst: TensorSharding, global_shape: Sequence[i
 def _plan_cached(src: TensorSharding, dst: TensorSharding, global_shape: tuple,
                  itemsize: int, mesh_items: tuple, logical_or: bool) -> ReshardPlan:
   sizes = dict(mesh_items)
-  s, d = _drop_trivial_axes(src, sizes), _drop_trivial_axes(dst, sizes)
+  s, d = drop_trivial_axes(src, sizes), drop_trivial_axes(dst, sizes)
   _check_partial(src, dst, s, d)
   order = {a: i for i, a in enumerate(sizes)}
   start = _State(s.dims, _sorted(s.partial, order),
@@ -213,7 +218,7 @@ def _is_bool(dtype) -> bool:
     return False
 
 
-def _drop_trivial_axes(s: TensorSharding, sizes: MeshSizes) -> TensorSharding:
+def drop_trivial_axes(s: TensorSharding, sizes: MeshSizes) -> TensorSharding:
   """``[data*one,_]+one`` with ``one`` of size 1 is ``[data,_]``."""
   keep = lambda axes: tuple(a for a in axes if sizes[a] > 1)
   return TensorSharding(tuple(keep(d) for d in s.dims), keep(sorted(s.partial)))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import get_opaque_trace_state
 
-from gshard.spmd import collectives, reshard
+from gshard.spmd import collectives, exchange, reshard
 from gshard.spmd.graph import Graph
 from gshard.spmd.sharding import TensorSharding, fit_axes
 from gshard.spmd.source import source_of
@@ -248,14 +248,15 @@ class Context:
     return v
 
   def _reshard(self, v: Value, dst: TensorSharding, eqn, role: str, origin=None) -> Value:
-    plan = reshard.plan_reshard(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
+    plan = exchange.plan_move(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
     src_name = self.source(eqn)
     prim = eqn.primitive.name if eqn is not None else "output"
     for step in plan.steps:
       if step.kind in ("slice", "pad", "local"):
         continue
-      self.recorder.collectives.append(Collective(
-          step.kind, tuple(step.axes), int(step.bytes_per_device) * self.repeat, prim,
+      self.recorder.collectives.append(Collective(        # (an exchange's rounds: ppermutes)
+          "ppermute" if step.kind == "exchange" else step.kind, tuple(step.axes),
+          int(step.bytes_per_device) * self.repeat, prim,
           role,
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
           else str(v.dtype), src_name, bool(plan.fallback), self.repeat))

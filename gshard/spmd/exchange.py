@@ -1,0 +1,213 @@
+"""An exchange: each device receives the pieces of its new block it lacks.
+
+The reshard planner (``reshard.py``) chains collectives that each keep a
+regular layout in between (an all-to-all, then a ppermute, then another
+all-to-all). Between two complete layouts that cross, such a chain can send
+twice or three times what each device lacks. On a 2x4 mesh ``(a, b)``, ``f32[32,
+64]`` from ``[_, a]`` (columns split over ``a``) to ``[(a, b), _]`` (rows over
+both): device ``(i, j)`` keeps 4 rows of its own column half and lacks the other
+half of the same rows, which device ``(1-i, j)`` holds::
+
+    [_, a]                        [(a,b), _]
+    +--------+--------+           +-----------------+
+    | a=0    | a=1    |    ->     | rows of (0,0)   |   (0,0) keeps the left half,
+    | (all   | (all   |           | rows of (0,1)   |   receives the right half
+    |  rows) |  rows) |           | ...             |   from (1,0): 512 B
+    +--------+--------+           +-----------------+
+
+The chain sends 1536 B (an all-to-all and a ppermute); the exchange 512 B, one
+ppermute. :func:`plan` cuts each device's new block into pieces, each lying
+in one block of the old layout (per dim, the smaller of the two block lengths;
+one of them must divide the other), takes the pieces a device holds from its
+own block, and schedules the others in rounds: in each round every device sends
+at most one piece and receives at most one (a ``ppermute``), a sender chosen
+among the devices holding the piece's old block. A round sends one piece's
+bytes per device, so the exchange costs ``rounds * piece``. :func:`plan_move`
+gives the partitioner the exchange where that is fewer bytes than the chain
+(``reshard.plan_reshard``), even were the chain's first collective shared
+with another move of the same value (XLA emits a repeated one once). Layouts
+and plans are still chosen by the chain's prices: a program's choices are
+the same, and only some of its moves get cheaper.
+``collectives.apply_plan`` runs it: the held pieces and each round's received
+piece are stacked, and each device takes its block's pieces from the stack by a
+table of its own index.
+
+Only complete layouts (no pending sum), every dim split evenly under both.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+
+from gshard.spmd import reshard
+from gshard.spmd.sharding import Axes, MeshSizes, TensorSharding, itemsize
+
+# rounds beyond which an exchange is not planned (each is a ppermute and a
+# dynamic slice in the program: the chain's fewer collectives win there)
+MAX_ROUNDS = 16
+
+# devices (over the layouts' axes) beyond which it is not planned: its tables
+# hold a row per device, and a pod's program would carry them
+MAX_DEVICES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+  """How the devices swap pieces (tables indexed by a device's linear index
+  over ``axes``, major first).
+
+  Attributes:
+    axes: the mesh axes of either layout, in mesh order.
+    piece: the local shape of a piece.
+    counts: per dim, how many pieces make the new block.
+    held: per slot of pieces a device takes from its own block, each device's
+      offset (per dim) in its old block (devices with fewer held pieces repeat
+      one).
+    rounds: per round, its ``(source, destination)`` pairs and each device's
+      offset of the piece it sends.
+    take: per device, for each piece of its new block (row-major over
+      ``counts``), the slot that has it: ``held`` slots first, then rounds.
+    bytes_per_device: ``len(rounds)`` pieces.
+  """
+
+  axes: Axes
+  piece: tuple[int, ...]
+  counts: tuple[int, ...]
+  held: tuple[tuple[tuple[int, ...], ...], ...]
+  rounds: tuple[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, ...], ...]], ...]
+  take: tuple[tuple[int, ...], ...]
+  bytes_per_device: int
+
+
+def plan_move(src: TensorSharding, dst: TensorSharding, global_shape: Sequence[int], dtype,
+              mesh_sizes: MeshSizes) -> reshard.ReshardPlan:
+  """What the partitioner runs to move a value from ``src`` to ``dst``: the
+  exchange where it sends fewer bytes than ``reshard.plan_reshard``'s chain,
+  and no more than the chain less its first collective (which another move
+  of the value may share), else the chain. Every choice of layout is priced
+  with the chain (layouts and plans are decided as without the exchange,
+  which only makes some of their moves cheaper)."""
+  chain = reshard.plan_reshard(src, dst, global_shape, dtype, mesh_sizes)
+  if len(chain.collectives) < 2:             # one collective: at the least a device lacks
+    return chain
+  return _move(chain, tuple(int(n) for n in global_shape), itemsize(dtype),
+               tuple(dict(mesh_sizes).items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _move(chain: reshard.ReshardPlan, shape: tuple, size: int,
+          mesh_items: tuple) -> reshard.ReshardPlan:
+  sizes = dict(mesh_items)
+  src, dst = (reshard.drop_trivial_axes(s, sizes) for s in (chain.src, chain.dst))
+  # no more than the chain's later steps alone: another move of the same
+  # value whose chain begins with the same collective shares it (XLA emits
+  # one), so the exchange must win even against the chain less its first step
+  ex = plan(src, dst, shape, size, sizes,
+            chain.bytes_per_device - chain.collectives[0].bytes_per_device + 1)
+  if ex is None:
+    return chain
+  step = reshard.Step("exchange", ex.axes, None, ex.bytes_per_device, exchange=ex)
+  return reshard.ReshardPlan(chain.src, chain.dst, (step,), ex.bytes_per_device, False)
+
+
+def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+         sizes: MeshSizes, budget: float) -> Exchange | None:
+  """The exchange from ``src`` to ``dst`` (size-1 axes dropped) sending fewer
+  than ``budget`` bytes per device, or None (a pending sum, an uneven split,
+  block lengths neither of which divides the other, more than ``MAX_DEVICES``
+  devices or ``MAX_ROUNDS`` rounds, nothing to send, or no fewer bytes)."""
+  if src.partial or dst.partial:
+    return None
+  used = {a for s in (src, dst) for d in s.dims for a in d}
+  axes = tuple(a for a in sizes if a in used)
+  if math.prod(sizes[a] for a in axes) > MAX_DEVICES:
+    return None
+  src_len, dst_len, piece = [], [], []
+  for n, s_axes, d_axes in zip(shape, src.dims, dst.dims):
+    ks, kt = math.prod(sizes[a] for a in s_axes), math.prod(sizes[a] for a in d_axes)
+    if n % ks or n % kt:
+      return None
+    ls, lt = n // ks, n // kt
+    q = min(ls, lt)
+    if ls % q or lt % q:
+      return None
+    src_len.append(ls)
+    dst_len.append(lt)
+    piece.append(q)
+  piece_bytes = math.prod(piece) * itemsize
+  if piece_bytes >= budget:                # one round already sends no fewer
+    return None
+  counts = tuple(lt // q for lt, q in zip(dst_len, piece))
+  coords = list(itertools.product(*(range(sizes[a]) for a in axes)))
+
+  def position(dims, c) -> list[int]:
+    at = dict(zip(axes, c))
+    out = []
+    for d in dims:
+      p = 0
+      for a in d:
+        p = p * sizes[a] + at[a]
+      out.append(p)
+    return out
+
+  holders: dict[tuple, list[int]] = {}
+  for i, c in enumerate(coords):
+    holders.setdefault(tuple(position(src.dims, c)), []).append(i)
+  held: list[list[tuple]] = [[] for _ in coords]        # (offset, piece index)
+  wants: list[tuple[int, int, list[int], tuple]] = []   # (device, piece, holders, offset)
+  for i, c in enumerate(coords):
+    starts = [p * lt for p, lt in zip(position(dst.dims, c), dst_len)]
+    for k, p in enumerate(itertools.product(*(range(m) for m in counts))):
+      at = [s + j * q for s, j, q in zip(starts, p, piece)]
+      block = tuple(g // ls for g, ls in zip(at, src_len))
+      offset = tuple(g - b * ls for g, b, ls in zip(at, block, src_len))
+      if i in holders[block]:
+        held[i].append((offset, k))
+      else:
+        wants.append((i, k, holders[block], offset))
+  if not wants:
+    return None
+  rounds: list[tuple[dict[int, int], dict[int, tuple]]] = []
+  slot_of: dict[tuple[int, int], int] = {}
+  slots = max(len(h) for h in held)
+  while wants:
+    if (len(rounds) + 1) * piece_bytes >= budget or len(rounds) == MAX_ROUNDS:
+      return None                          # the chain sends no more
+    senders: dict[int, int] = {}           # sender -> receiver
+    sends: dict[int, tuple] = {}
+    receiving: set[int] = set()
+    later = []
+    left: dict[int, int] = {}              # the most wanting receivers first
+    for i, *_ in wants:
+      left[i] = left.get(i, 0) + 1
+    for i, k, who, offset in sorted(wants, key=lambda w: -left[w[0]]):
+      # the first free holder from the receiver's own index on (shifts pair up)
+      at = bisect.bisect_left(who, i)
+      j = next((j for j in who[at:] + who[:at] if j not in senders), None)
+      if i in receiving or j is None:
+        later.append((i, k, who, offset))
+        continue
+      senders[j], sends[j] = i, offset
+      receiving.add(i)
+      slot_of[(i, k)] = slots + len(rounds)
+    rounds.append((senders, sends))
+    wants = later
+  for i, h in enumerate(held):
+    for s, (_, k) in enumerate(h):
+      slot_of[(i, k)] = s
+  zero = tuple(0 for _ in shape)
+  return Exchange(
+      axes, tuple(piece), counts,
+      tuple(tuple(h[min(s, len(h) - 1)][0] if h else zero for h in held)
+            for s in range(slots)),
+      tuple((tuple(sorted(senders.items())),
+             tuple(sends.get(j, zero) for j in range(len(coords))))
+            for senders, sends in rounds),
+      tuple(tuple(slot_of[(i, k)] for k in range(math.prod(counts)))
+            for i in range(len(coords))),
+      len(rounds) * math.prod(piece) * itemsize)
