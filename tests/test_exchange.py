@@ -208,3 +208,12 @@ def test_a_program_never_sends_more_than_with_the_chains(w1, w2, x, step):
   part = gshard.partition(fn, m, in_specs=specs, out_specs=specs[0])
   assert sent(part) <= chains
   helpers_partition.assert_within_ulps(part(p, xs), jax.jit(fn)(p, xs), 128)
+
+
+def test_an_empty_value_moves_by_its_chain():
+  """A dim of 0 elements: no exchange (nothing to cut into pieces)."""
+  sizes = {"a": 2, "b": 4}
+  src, dst = TensorSharding(((), ("a",))), TensorSharding((("a", "b"), ()))
+  assert exchange.plan(src, dst, (0, 64), 4, sizes, math.inf) is None
+  assert plan_move(src, dst, (0, 64), "float32", sizes) == plan_reshard(
+      src, dst, (0, 64), "float32", sizes)

@@ -121,7 +121,7 @@ def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsiz
   than ``budget`` bytes per device, or None (a pending sum, an uneven split,
   block lengths neither of which divides the other, more than ``MAX_DEVICES``
   devices or ``MAX_ROUNDS`` rounds, nothing to send, or no fewer bytes)."""
-  if src.partial or dst.partial:
+  if src.partial or dst.partial or not math.prod(shape):     # (an empty value moves nothing)
     return None
   used = {a for s in (src, dst) for d in s.dims for a in d}
   axes = tuple(a for a in sizes if a in used)
