@@ -115,7 +115,7 @@ def _move(chain: reshard.ReshardPlan, shape: tuple, size: int,
   return reshard.ReshardPlan(chain.src, chain.dst, (step,), ex.bytes_per_device, False)
 
 
-def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], item_bytes: int,
          sizes: MeshSizes, budget: float) -> Exchange | None:
   """The exchange from ``src`` to ``dst`` (size-1 axes dropped) sending fewer
   than ``budget`` bytes per device, or None (a pending sum, an uneven split,
@@ -139,7 +139,7 @@ def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsiz
     src_len.append(ls)
     dst_len.append(lt)
     piece.append(q)
-  piece_bytes = math.prod(piece) * itemsize
+  piece_bytes = math.prod(piece) * item_bytes
   if piece_bytes >= budget:                # one round already sends no fewer
     return None
   counts = tuple(lt // q for lt, q in zip(dst_len, piece))
@@ -210,4 +210,4 @@ def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsiz
             for senders, sends in rounds),
       tuple(tuple(slot_of[(i, k)] for k in range(math.prod(counts)))
             for i in range(len(coords))),
-      len(rounds) * math.prod(piece) * itemsize)
+      len(rounds) * piece_bytes)
