@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
@@ -190,6 +190,8 @@ def test_program_outputs_move_by_exchange(dtype):
        w2=helpers_partition.specs_2d(helpers_mlp.CHOICES),
        x=helpers_partition.specs_2d(helpers_mlp.CHOICES),
        step=st.sampled_from(sorted(helpers_mlp.STEPS)))
+# a layout whose weight gradient moves across (47104 -> 45056 B; GSPMD 45056)
+@example(w1=P("a", None), w2=P(("a", "b"), None), x=P(None, "b"), step="sgd")
 def test_a_program_never_sends_more_than_with_the_chains(w1, w2, x, step):
   """Random layouts of an MLP train step (the weights as they came in and
   go out): the compiled program sends no more bytes (its optimized HLO, where
@@ -206,7 +208,10 @@ def test_a_program_never_sends_more_than_with_the_chains(w1, w2, x, step):
                plan_reshard(src, dst, shape, dtype, sizes))
     chains = sent(gshard.partition(fn, m, in_specs=specs, out_specs=specs[0]))
   part = gshard.partition(fn, m, in_specs=specs, out_specs=specs[0])
-  assert sent(part) <= chains
+  got = sent(part)
+  assert got <= chains
+  if (w1, w2, x) == (P("a", None), P(("a", "b"), None), P(None, "b")):
+    assert got < chains                  # (the example's move is an exchange)
   helpers_partition.assert_within_ulps(part(p, xs), jax.jit(fn)(p, xs), 128)
 
 
