@@ -164,11 +164,12 @@ def write_doc(rows: list[dict], seed: int, load: tuple[float, float]) -> None:
       "dot reads the activation the forward pass gathered: that copy sends nothing). "
       "A move between two layouts that cross runs as ppermute rounds of the pieces "
       "each device lacks, where the chain of collectives would send more "
-      "(`spmd/exchange.py`). Where gshard still sends more (other seeds: `--seed 1`, `2`, `3`), GSPMD mostly "
-      "holds more: for a weight gradient's dot it gathers the other operand whole, which "
-      "gshard's plans do only where that holds no more than the plan it replaces "
-      "(GShard's caveat on option (c)); in one layout gshard gathers an activation "
-      "into two layouts (1 KiB more) where GSPMD gathers it once.",
+      "(`spmd/exchange.py`). Other seeds have one layout each where gshard sends "
+      "more (`--seed 1` and `3`; none in `2`): in one GSPMD holds more (for a weight "
+      "gradient's dot it gathers the other operand whole, which gshard's plans do "
+      "only where that holds no more than the plan it replaces: GShard's caveat on "
+      "option (c)); in the other gshard gathers an activation into two layouts "
+      "(1 KiB more) where GSPMD gathers it once.",
       "",
   ]
   with open(DOC, "w") as fh:
