@@ -318,7 +318,11 @@ def check(fn, mesh, prog: Program):
   # beside it: the annotation slices it), where that sends fewer bytes
   with _without_readers_pass():
     plain = gshard.infer_shardings(fn, mesh, in_specs=in_specs)(*structs)
+  # (a pending sum is marked after the fixed point, and step does not read
+  # one: a bound touching one is not asked)
   for bound in plain.graph.bounds:
+    if any(t is not None and t.sharding.partial for t in bound.operands + bound.results):
+      continue
     assert not engine.step(bound, sizes)[0], (bound.eqn.primitive, str(bound.rule))
   return res
 
@@ -364,10 +368,20 @@ _READERS_PASS_CHANGES = (AbstractMesh((2, 2), ("x", "y")), Program(
     outputs=[2, 3]))
 
 
+# a value pending a sum over x (of size 1) that a constraint would split over x:
+# the fixed-point check asked step, which never sees a pending sum (seed 33)
+_PENDING_ON_A_TRIVIAL_AXIS = (AbstractMesh((1,), ("x",)), Program(
+    inputs=[(3,), (3, 3)], in_specs=[P("x"), None],
+    ops=[Op("exp", (0,)), Op("dot", (0, 1)), Op("exp", (0,)), Op("add", (3, 3)),
+         Op("exp", (0,)), Op("exp", (0,)), Op("exp", (5,))],
+    outputs=[8]))
+
+
 @MORE
 @given(cases())
 @example(_SLICED_ANNOTATION)
 @example(_OVERSPLIT_INPUT)
+@example(_PENDING_ON_A_TRIVIAL_AXIS)
 def test_random_programs(case):
   mesh, prog = case
   with monotone():
