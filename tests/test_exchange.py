@@ -4,7 +4,6 @@ reshard planner's chain of collectives would send more."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax
@@ -24,7 +23,7 @@ from gshard.spmd.exchange import plan_move
 from gshard.spmd.reshard import plan_reshard
 from gshard.spmd.sharding import TensorSharding
 from gshard.spmd.collectives import apply_plan
-from test_reshard import assemble, logical, make_mesh, place
+from test_reshard import assemble, block_slices, device_coords, logical, make_mesh, place
 
 MESHES = [((2, 4), ("a", "b")), ((4, 2), ("a", "b")), ((2, 2, 2), ("a", "b", "c")),
           ((8,), ("a",))]
@@ -33,21 +32,11 @@ MESHES = [((2, 4), ("a", "b")), ((4, 2), ("a", "b")), ((2, 2, 2), ("a", "b", "c"
 def lacks(src, dst, shape, sizes) -> int:
   """The most elements one device must receive: its new block less what its
   old block already holds (no plan can send less)."""
-  axes = list(sizes)
   worst = 0
-  for c in itertools.product(*(range(sizes[a]) for a in axes)):
-    at = dict(zip(axes, c))
-
-    def span(s, d):
-      k, pos = 1, 0
-      for a in s.dims[d]:
-        pos, k = pos * sizes[a] + at[a], k * sizes[a]
-      m = shape[d] // k
-      return pos * m, (pos + 1) * m
-    new = math.prod(b - a for a, b in (span(dst, d) for d in range(len(shape))))
-    kept = math.prod(max(0, min(span(dst, d)[1], span(src, d)[1])
-                         - max(span(dst, d)[0], span(src, d)[0])) for d in range(len(shape)))
-    worst = max(worst, new - kept)
+  for c in device_coords(tuple(sizes), tuple(sizes.values())):
+    new, old = (block_slices(s, c, sizes, shape) for s in (dst, src))
+    kept = math.prod(max(0, min(a.stop, b.stop) - max(a.start, b.start)) for a, b in zip(new, old))
+    worst = max(worst, math.prod(a.stop - a.start for a in new) - kept)
   return worst
 
 
