@@ -35,6 +35,18 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
     this device's block under ``plan.dst``, of
     ``plan.dst.local_shape(global_shape, mesh_sizes)``.
   """
+  return apply_plan_sharing(x_local, plan, global_shape, mesh_sizes, chunks_first, None)[0]
+
+
+def apply_plan_sharing(x_local, plan: ReshardPlan, global_shape: Sequence[int],
+                       mesh_sizes: MeshSizes, chunks_first: bool, done: dict | None):
+  """:func:`apply_plan`, sharing the steps an earlier plan from the same
+  block began with. ``done`` maps each prefix of steps already run on
+  ``x_local`` (a tuple of steps) to its result, and gains this plan's; a plan
+  whose first steps are such a prefix starts from its result (XLA would
+  emit the same collective once). Returns (this device's block under
+  ``plan.dst``, how many of ``plan.steps`` were shared). PRNG keys and 8-bit
+  floats (moved as their data) share nothing."""
   want = plan.src.local_shape(global_shape, mesh_sizes)
   if tuple(x_local.shape) != want:
     raise ValueError(
@@ -43,28 +55,34 @@ def apply_plan(x_local, plan: ReshardPlan, global_shape: Sequence[int],
         f"mesh {dict(mesh_sizes)} gives local shape {want}.")
   dtype = x_local.dtype
   if math.prod(global_shape) == 0:      # no data: every layout is the empty block
-    return zeros(plan.dst.local_shape(global_shape, mesh_sizes), dtype)
+    return zeros(plan.dst.local_shape(global_shape, mesh_sizes), dtype), 0
   if is_key(dtype):   # PRNG keys move as their data: u32[*shape, 2] for threefry
     data = apply_plan(jax.random.key_data(x_local),
                       dataclasses.replace(plan, src=_trailing(plan.src, x_local),
                                           dst=_trailing(plan.dst, x_local)),
                       tuple(global_shape) + key_shape(x_local), mesh_sizes, chunks_first)
-    return jax.random.wrap_key_data(data, dtype=dtype)
+    return jax.random.wrap_key_data(data, dtype=dtype), 0
   if _moves_as_bits(dtype) and all(s.kind not in ("psum", "psum_scatter") for s in plan.steps):
     # float8 moves as its bits: XLA:CPU's all-gather made e5m2's -NaN +NaN
     bits = apply_plan(lax.bitcast_convert_type(x_local, np.uint8), plan, global_shape,
                       mesh_sizes, chunks_first)
-    return lax.bitcast_convert_type(bits, dtype)
+    return lax.bitcast_convert_type(bits, dtype), 0
   order = mesh_axis_order(mesh_sizes)
-  for step in plan.steps:
+  steps, done = tuple(plan.steps), {} if done is None else done
+  shared = next((k for k in range(len(steps), 0, -1) if steps[:k] in done), 0)
+  if shared:
+    x_local = done[steps[:shared]]
+  for k in range(shared, len(steps)):
+    step = steps[k]
     if step.kind in ("psum_scatter", "all_gather"):
       x_local = _LEADING[step.kind](x_local, step, global_shape, mesh_sizes, order,
                                     chunks_first)
     else:
       x_local = _APPLY[step.kind](x_local, step, global_shape, mesh_sizes, order)
+    done[steps[:k + 1]] = x_local
   assert tuple(x_local.shape) == plan.dst.local_shape(global_shape, mesh_sizes)
   assert x_local.dtype == dtype, (plan, dtype, x_local.dtype)
-  return x_local
+  return x_local, shared
 
 
 def _moves_as_bits(dtype) -> bool:

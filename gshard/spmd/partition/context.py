@@ -157,11 +157,14 @@ class Context:
     self._memo: dict[tuple, list] = {}
     # id of a local array -> [(trace, the array, a complete Value resharded from it)]
     self._layouts: dict[int, list] = {}
+    # (id of a local array, src, shape) -> [(trace, the array, {steps run: result})]
+    self._steps_run: dict[tuple, list] = {}
 
   def forget(self) -> None:
     """Drop the reshards remembered while tracing (call before and after a trace)."""
     self._memo.clear()
     self._layouts.clear()
+    self._steps_run.clear()
 
   def run_jaxpr(self, jaxpr, scope: tuple, consts, args: list[Value]) -> list[Value]:
     """Interpret ``jaxpr`` (in ``scope``) on per-device values; its outputs' values."""
@@ -251,7 +254,10 @@ class Context:
     plan = exchange.plan_move(v.sharding, dst, v.shape, v.dtype, self.mesh_sizes)
     src_name = self.source(eqn)
     prim = eqn.primitive.name if eqn is not None else "output"
-    for step in plan.steps:
+    # the steps another move of this block began with are run (and recorded) once
+    x, shared = collectives.apply_plan_sharing(v.x, plan, v.shape, self.mesh_sizes,
+                                               self.chunks_first, self._done(v))
+    for step in plan.steps[shared:]:
       if step.kind in ("slice", "pad", "local"):
         continue
       self.recorder.collectives.append(Collective(        # (an exchange's rounds: ppermutes)
@@ -260,11 +266,21 @@ class Context:
           role,
           v.sharding, dst, tuple(v.shape), str(np.dtype(v.dtype)) if _is_np(v.dtype)
           else str(v.dtype), src_name, bool(plan.fallback), self.repeat))
-    x = collectives.apply_plan(v.x, plan, v.shape, self.mesh_sizes, self.chunks_first)
     out = Value(x, dst, v.shape, v.dtype)
     if origin is not None and not dst.partial and not v.sharding.partial:
       self._layouts.setdefault(id(origin), []).append((get_opaque_trace_state(), origin, out))
     return out
+
+  def _done(self, v: Value) -> dict:
+    """The steps already run on ``v``'s block in this trace, each prefix of a
+    plan to its result (see :func:`collectives.apply_plan_sharing`)."""
+    key, trace = (id(v.x), v.sharding, tuple(v.shape), str(v.dtype)), get_opaque_trace_state()
+    for seen_trace, seen_x, done in self._steps_run.get(key, ()):
+      if seen_x is v.x and seen_trace == trace:
+        return done
+    done = {}
+    self._steps_run.setdefault(key, []).append((trace, v.x, done))   # keeps x alive
+    return done
 
   def once(self, key: tuple, x, make: Callable[[], Any]) -> Any:
     """``make()``, computed once per (``key``, local array ``x``, trace) and
