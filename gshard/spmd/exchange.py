@@ -128,8 +128,8 @@ def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], item_by
   if math.prod(sizes[a] for a in axes) > MAX_DEVICES:
     return None
   src_len, dst_len, piece = [], [], []
-  for n, s_axes, d_axes in zip(shape, src.dims, dst.dims):
-    ks, kt = math.prod(sizes[a] for a in s_axes), math.prod(sizes[a] for a in d_axes)
+  for dim, n in enumerate(shape):
+    ks, kt = src.num_shards(dim, sizes), dst.num_shards(dim, sizes)
     if n % ks or n % kt:
       return None
     ls, lt = n // ks, n // kt
@@ -147,13 +147,7 @@ def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], item_by
 
   def position(dims, c) -> list[int]:
     at = dict(zip(axes, c))
-    out = []
-    for d in dims:
-      p = 0
-      for a in d:
-        p = p * sizes[a] + at[a]
-      out.append(p)
-    return out
+    return [reshard.linear_index([at[a] for a in d], [sizes[a] for a in d]) for d in dims]
 
   holders: dict[tuple, list[int]] = {}
   for i, c in enumerate(coords):

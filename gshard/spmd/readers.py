@@ -361,8 +361,7 @@ class _Pass:
   def fits(self, t: Tensor, layout: TensorSharding) -> bool:
     """Whether ``layout`` splits no dim of ``t`` into more shards than it
     has elements (as propagation never does; a pinned value may)."""
-    return all(math.prod(self.mesh[a] for a in axes) <= n
-               for n, axes in zip(t.shape, layout.dims))
+    return all(layout.num_shards(d, self.mesh) <= n for d, n in enumerate(t.shape))
 
   def _cheaper(self, chain: dict) -> bool:
     g = self.graph
