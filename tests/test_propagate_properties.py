@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -312,11 +313,12 @@ def check(fn, mesh, prog: Program):
         assert got.dims[i] == want[i], (spec, got)
 
   # a true fixed point: no constraint can refine anything further. Checked on
-  # propagation proper: the readers pass after it may lay a value out less
-  # split than a pinned reader's constraint would refine it to, by design
-  # (an annotation's operand made in the layout of a program input read
-  # beside it: the annotation slices it), where that sends fewer bytes
-  with _without_readers_pass():
+  # propagation proper: the layout passes after it may lay a value out less
+  # split than a constraint would refine it to, by design, where that sends
+  # fewer bytes (the readers pass: an annotation's operand made in the layout
+  # of a program input read beside it, the annotation slices it; the updates
+  # pass: a state's next value made replicated as its state is)
+  with _without_layout_passes():
     plain = gshard.infer_shardings(fn, mesh, in_specs=in_specs)(*structs)
   # (a pending sum is marked after the fixed point, and step does not read
   # one: a bound touching one is not asked)
@@ -328,13 +330,17 @@ def check(fn, mesh, prog: Program):
 
 
 @contextlib.contextmanager
-def _without_readers_pass():
-  lay_out = engine.lay_out_for_readers
-  engine.lay_out_for_readers = lambda graph, touching: None
-  try:
+def _without_layout_passes():
+  """Propagation without the passes that lay values out after its fixed point
+  (stacked values as their loop reads them, state updates as their state,
+  values as their readers read them): each may, by design, leave a value
+  less split than a constraint would refine it to, where that sends fewer
+  bytes."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(engine, "stack_as_read", lambda graph: None)
+    mp.setattr(engine, "lay_out_updates", lambda graph, touching: None)
+    mp.setattr(engine, "lay_out_for_readers", lambda graph, touching: None)
     yield
-  finally:
-    engine.lay_out_for_readers = lay_out
 
 
 # Each example costs ~10-100 ms (trace + propagate twice): run 5x the profile's count.
@@ -377,9 +383,26 @@ _PENDING_ON_A_TRIVIAL_AXIS = (AbstractMesh((1,), ("x",)), Program(
     outputs=[8]))
 
 
+# a state's next value (output 0, of input 0's shape) that the dot could split
+# over x: the updates pass makes it replicated, as its state is pinned (seed 35)
+_REPLICATED_STATE = (AbstractMesh((2,), ("x",)), Program(
+    inputs=[(1, 2), (2, 2)], in_specs=[P(), P(P.UNCONSTRAINED, "x")],
+    ops=[Op("exp", (0,)), Op("dot", (0, 1))],
+    outputs=[3]))
+
+# a state pinned over x*y=4 with 2 elements: the updates pass must not lay
+# out its next value (not pinned) so (seed 35)
+_OVERSPLIT_STATE = (AbstractMesh((2, 2), ("x", "y")), Program(
+    inputs=[(1,), (1,), (2,)], in_specs=[None, None, P(("x", "y"))],
+    ops=[Op("broadcast", (2,), ((2, 2), (0,))), Op("reduce_sum", (3,), ((1,),))],
+    outputs=[4]))
+
+
 @MORE
 @given(cases())
 @example(_SLICED_ANNOTATION)
+@example(_REPLICATED_STATE)
+@example(_OVERSPLIT_STATE)
 @example(_OVERSPLIT_INPUT)
 @example(_PENDING_ON_A_TRIVIAL_AXIS)
 def test_random_programs(case):
@@ -435,7 +458,7 @@ def _reference_propagate(graph):
 
 
 def _same_as_reference(fn, mesh, structs, in_specs):
-  with _without_readers_pass():        # (a pass after the driver's fixed point)
+  with _without_layout_passes():      # (passes after the driver's fixed point)
     res = gshard.infer_shardings(fn, mesh, in_specs=in_specs)(*structs)
   fresh = infer.pinned_graph(res.jaxpr.jaxpr, res.mesh_sizes,
                              *infer.flatten_specs(in_specs, tuple(structs)))
@@ -450,6 +473,7 @@ def _same_as_reference(fn, mesh, structs, in_specs):
 @MORE
 @given(cases())
 @example(_READERS_PASS_CHANGES)
+@example(_REPLICATED_STATE)
 def test_propagation_equals_the_reference_driver(case):
   """Skipping settled constraints in the second phase changes no sharding and
   no sweep count (forward and backward programs)."""

@@ -352,16 +352,12 @@ class _Pass:
     kept)."""
     if key in self.failed:
       return False
-    if not all(self.fits(t, layout) for t, layout in chain.values()) or not self._cheaper(chain):
+    if (not all(layout.fits(t.shape, self.mesh) for t, layout in chain.values())
+        or not self._cheaper(chain)):
       if key is not None:
         self.failed.add(key)
       return False
     return True
-
-  def fits(self, t: Tensor, layout: TensorSharding) -> bool:
-    """Whether ``layout`` splits no dim of ``t`` into more shards than it
-    has elements (as propagation never does; a pinned value may)."""
-    return all(layout.num_shards(d, self.mesh) <= n for d, n in enumerate(t.shape))
 
   def _cheaper(self, chain: dict) -> bool:
     g = self.graph

@@ -135,6 +135,11 @@ class TensorSharding:
     local = self.local_shape(global_shape, mesh_sizes)
     return tuple(l * self.num_shards(i, mesh_sizes) for i, l in enumerate(local))
 
+  def fits(self, global_shape: Sequence[int], mesh_sizes: MeshSizes) -> bool:
+    """Whether no dim is split into more shards than it has elements (as
+    propagation never splits one; a pinned value may be)."""
+    return all(self.num_shards(i, mesh_sizes) <= n for i, n in enumerate(global_shape))
+
   def is_even(self, global_shape: Sequence[int], mesh_sizes: MeshSizes) -> bool:
     """Whether every split dim divides evenly (no padding)."""
     return tuple(global_shape) == self.padded_shape(global_shape, mesh_sizes)

@@ -46,9 +46,12 @@ def lay_out_updates(graph: Graph, touching: dict[int, list[int]]) -> None:
   for out, chain in chains:
     # whole chains only: values two updates share (a momentum's and its
     # weight's gradient: gather_early gathers it once), another output, a
-    # value something else reads (a global norm of the gradients), or one no
-    # op of the program makes (an input) leave it as propagated
+    # value something else reads (a global norm of the gradients), one no
+    # op of the program makes (an input), or one the state's layout splits
+    # into more shards than it has elements (a pinned state may be) leave
+    # it as propagated
     if (any(seen[k] > 1 or (k in outputs and k != id(out)) for k in chain)
+        or not all(want.fits(t.shape, graph.mesh_sizes) for t, want in chain.values())
         or not all(_own(graph, touching, t, chain) for t, _ in chain.values())
         or not _cheaper(graph, touching, chain)):
       continue
