@@ -115,8 +115,12 @@ def test_exchange_values_and_bytes(case):
 @given(crossings())
 def test_exchange_plans_only(case):
   """Planning alone, many more layouts: every round is a permutation (each
-  device sends and receives at most one piece), and every piece of every new
-  block comes from a held slot or a round a device receives in."""
+  device sends and receives at most one piece), every piece of every new
+  block comes from a held slot or a round a device receives in, and there
+  are as many rounds as the most pieces one device lacks (no fewer can
+  bring them, one a round; the greedy schedule it replaced took up to two
+  more in 1122 of the 6912 crossings of 2-D layouts on 2x4, 2x2x2 and 8
+  devices)."""
   names, mesh_shape, shape, src, dst = case
   sizes = dict(zip(names, mesh_shape))
   ex = exchange.plan(src, dst, shape, 4, sizes, math.inf)
@@ -134,6 +138,16 @@ def test_exchange_plans_only(case):
     for slot in row:
       assert slot < len(ex.held) or slot in received[i]
   assert ex.bytes_per_device == len(ex.rounds) * math.prod(ex.piece) * 4
+  assert len(ex.rounds) == max(sum(s >= len(ex.held) for s in row) for row in ex.take)
+
+
+# [_, b*a] -> [_, _] on 2x4: each device lacks 7 pieces, each held by one
+# device; the greedy schedule took 9 rounds
+def test_a_gather_by_exchange_takes_as_many_rounds_as_pieces_lacked():
+  sizes = {"a": 2, "b": 4}
+  ex = exchange.plan(TensorSharding(((), ("b", "a"))), TensorSharding(((), ())),
+                     (32, 64), 4, sizes, math.inf)
+  assert len(ex.rounds) == 7
 
 
 @pytest.mark.parametrize("k", [2, 4])

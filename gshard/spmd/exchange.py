@@ -20,9 +20,13 @@ ppermute. :func:`plan` cuts each device's new block into pieces, each lying
 in one block of the old layout (per dim, the smaller of the two block lengths;
 one of them must divide the other), takes the pieces a device holds from its
 own block, and schedules the others in rounds: in each round every device sends
-at most one piece and receives at most one (a ``ppermute``), a sender chosen
-among the devices holding the piece's old block. A round sends one piece's
-bytes per device, so the exchange costs ``rounds * piece``. :func:`plan_move`
+at most one piece and receives at most one (a ``ppermute``). Each piece's
+sender is the least loaded of the devices holding its old block; the rounds
+are a colouring of the (sender, receiver) pairs in which no device appears
+twice in one colour, in as many colours as the busiest device sends or
+receives pieces (Konig's theorem), which is then the most pieces one device
+lacks. A round sends one piece's bytes per device, so the exchange costs
+``rounds * piece``. :func:`plan_move`
 gives the partitioner the exchange where that is fewer bytes than the chain
 (``reshard.plan_reshard``), even were the chain's first collective shared
 with another move of the same value (XLA emits a repeated one once). Layouts
@@ -166,31 +170,17 @@ def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], item_by
         wants.append((i, k, holders[block], offset))
   if not wants:
     return None
-  rounds: list[tuple[dict[int, int], dict[int, tuple]]] = []
-  slot_of: dict[tuple[int, int], int] = {}
+  wants = _senders(wants)
   slots = max(len(h) for h in held)
-  while wants:
-    if (len(rounds) + 1) * piece_bytes >= budget or len(rounds) == MAX_ROUNDS:
-      return None                          # the chain sends no more
-    senders: dict[int, int] = {}           # sender -> receiver
-    sends: dict[int, tuple] = {}
-    receiving: set[int] = set()
-    later = []
-    left: dict[int, int] = {}              # the most wanting receivers first
-    for i, *_ in wants:
-      left[i] = left.get(i, 0) + 1
-    for i, k, who, offset in sorted(wants, key=lambda w: -left[w[0]]):
-      # the first free holder from the receiver's own index on (shifts pair up)
-      at = bisect.bisect_left(who, i)
-      j = next((j for j in who[at:] + who[:at] if j not in senders), None)
-      if i in receiving or j is None:
-        later.append((i, k, who, offset))
-        continue
-      senders[j], sends[j] = i, offset
-      receiving.add(i)
-      slot_of[(i, k)] = slots + len(rounds)
-    rounds.append((senders, sends))
-    wants = later
+  colour = _rounds(wants)
+  n_rounds = max(colour) + 1
+  if n_rounds * piece_bytes >= budget or n_rounds > MAX_ROUNDS:
+    return None                            # the chain sends no more
+  rounds: list[tuple[dict[int, int], dict[int, tuple]]] = [({}, {}) for _ in range(n_rounds)]
+  slot_of: dict[tuple[int, int], int] = {}
+  for (i, k, _, offset, j), c in zip(wants, colour):
+    rounds[c][0][j], rounds[c][1][j] = i, offset
+    slot_of[(i, k)] = slots + c
   for i, h in enumerate(held):
     for s, (_, k) in enumerate(h):
       slot_of[(i, k)] = s
@@ -205,3 +195,57 @@ def plan(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], item_by
       tuple(tuple(slot_of[(i, k)] for k in range(math.prod(counts)))
             for i in range(len(coords))),
       len(rounds) * piece_bytes)
+
+
+def _senders(wants: list[tuple]) -> list[tuple]:
+  """Each wanted piece's sender among the holders of its old block: pieces
+  with the fewest holders first, each from the least loaded holder (ties:
+  the first from the receiver's own index on, so rounds come out as
+  shifts). Returns the wants with their sender appended."""
+  load: dict[int, int] = {}
+  out = []
+  for i, k, who, offset in sorted(wants, key=lambda w: (len(w[2]), w[0], w[1])):
+    at = bisect.bisect_left(who, i)
+    j = min(who[at:] + who[:at], key=lambda j: load.get(j, 0))
+    load[j] = load.get(j, 0) + 1
+    out.append((i, k, who, offset, j))
+  return out
+
+
+def _rounds(wants: list[tuple]) -> list[int]:
+  """The round of each (receiver, ..., sender) want: a proper edge colouring
+  of the bipartite multigraph of senders and receivers in as many rounds
+  as the busiest device sends or receives pieces (Konig's theorem; each
+  edge coloured with a colour free at its sender, after swapping two
+  colours along the alternating path from its receiver where needed)."""
+  at: dict[tuple, dict[int, int]] = {}          # (side, device) -> colour -> edge
+  ends = [(("s", w[4]), ("r", w[0])) for w in wants]
+  colour = [-1] * len(wants)
+
+  def free(v) -> int:
+    used = at.setdefault(v, {})
+    return next(c for c in range(len(used) + 1) if c not in used)
+
+  for e, (u, v) in enumerate(ends):
+    a, b = free(u), free(v)
+    if a not in at[v]:
+      b = a
+    else:
+      # the path from v along colours a, b, a, ...: swap them on it
+      path, x, c = [], v, a
+      while c in at.setdefault(x, {}):
+        f = at[x][c]
+        path.append(f)
+        x = ends[f][1] if ends[f][0] == x else ends[f][0]
+        c = b if c == a else a
+      for f in path:
+        for y in ends[f]:
+          del at[y][colour[f]]
+      for f in path:
+        colour[f] = b if colour[f] == a else a
+        for y in ends[f]:
+          at[y][colour[f]] = f
+      b = a
+    colour[e] = b
+    at[u][b] = at[v][b] = e
+  return colour
