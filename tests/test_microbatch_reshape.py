@@ -29,25 +29,32 @@ from helpers_partition import draw_batch, mesh
 
 
 def test_rounds_put_every_row_where_the_reshape_puts_it():
-  """Simulated on row numbers, for n devices and K micro-batches: after the
-  rounds device t holds rows ``k*M + t*c ...`` of every micro-batch k (the
-  block of ``[K, M@n]``), and the rounds reversed give the blocks back."""
+  """Simulated on row numbers, for n devices and K micro-batches, the
+  exchange the partitioner runs (``relayout.exchange_of``): after its rounds
+  device t holds rows ``k*M + t*c ...`` of every micro-batch k (the block of
+  ``[K, M@n]``), and the merge's rounds give the blocks back. Every round is
+  a permutation, and the rounds are the schedule's less those that leave
+  every piece in place."""
+  c = 2
   for n in range(2, 13):
     for count in range(1, 30):
-      c = 2
-      rows = np.arange(count * n * c).reshape(n, count, c)    # device s: K pieces of c rows
-      piece, dest, sender, lands = relayout.schedule(count, n)
-      got = np.full_like(rows, -1)
-      for r in range(count):
-        for s in range(n):
-          got[dest[r, s], lands[r, dest[r, s]]] = rows[s, piece[r, s]]
-      want = np.arange(count * n * c).reshape(count, n, c).transpose(1, 0, 2)
-      np.testing.assert_array_equal(got, want, err_msg=f"n={n} K={count}")
-      back = np.full_like(rows, -1)
-      for r in range(count):
+      rows = np.arange(count * n * c).reshape(n, count * c)       # device s: K pieces
+      micro = rows.reshape(count, n, c).transpose(1, 0, 2).reshape(n, count * c)
+      for merge, before, after in ((False, rows, micro), (True, micro, rows)):
+        move = relayout.Move(("x",), count, merge, 0, 0)
+        ex = relayout.exchange_of(move, (count * c, 3), 0, 4, n)
+        got = np.full_like(before, -1)
         for t in range(n):
-          back[sender[r, t], piece[r, sender[r, t]]] = got[t, lands[r, t]]
-      np.testing.assert_array_equal(back, rows, err_msg=f"n={n} K={count} back")
+          stack = [before[t, o[t][0]:o[t][0] + c] for o in ex.held]
+          for pairs, offsets in ex.rounds:
+            assert sorted(s for s, _ in pairs) == sorted(d for _, d in pairs) == list(range(n))
+            (s,) = [s for s, d in pairs if d == t]
+            stack.append(before[s, offsets[s][0]:offsets[s][0] + c])
+          got[t] = np.concatenate([stack[j] for j in ex.take[t]])
+        np.testing.assert_array_equal(got, after, err_msg=f"n={n} K={count} merge={merge}")
+        dest = relayout.schedule(count, n)[1]
+        moving = sum(bool((row != np.arange(n)).any()) for row in dest)
+        assert len(ex.rounds) == moving and ex.bytes_per_device == moving * c * 3 * 4
 
 
 def _values(rng, shape, dtype):

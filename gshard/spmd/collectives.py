@@ -239,10 +239,14 @@ def _apply_ppermute(x, step, global_shape, sizes, order):
 
 
 def _apply_exchange(x, step, global_shape, sizes, order):
-  """``exchange.py``: the pieces this device holds, then one received per
-  round (a ppermute of the piece each device sends), stacked; its new block's
-  pieces taken from the stack by its row of ``take`` and laid out."""
-  ex = step.exchange
+  return run_exchange(x, step.exchange, sizes)
+
+
+def run_exchange(x, ex, sizes: MeshSizes):
+  """Run an ``exchange.Exchange`` on this device's block ``x`` (inside
+  ``shard_map``): the pieces it holds, then one received per round (a
+  ppermute of the piece each device sends), stacked; its new block's pieces
+  taken from the stack by its row of ``take`` and laid out."""
   me = linear_axis_index(ex.axes, sizes)
 
   def cut(offsets):                     # this device's piece at its row of offsets

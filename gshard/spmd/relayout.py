@@ -12,7 +12,9 @@ Instead the result takes ``data`` on its minor-most factor ``M = B // K``
 (``partition/shape.py``): device ``s``'s block is ``K`` pieces of ``M/n`` rows,
 piece ``c`` going to device ``(s*K + c) % n``, where it is micro-batch
 ``(s*K + c) // n``; ``K`` ppermute rounds, each a permutation of the devices,
-send the block's bytes once in all. The transposed reshape (``[K, M@data] ->
+send the block's bytes once in all. They run as an exchange
+(:func:`exchange_of`: ``exchange.py``'s tables, run by
+``collectives.run_exchange`` as a move between layouts is). The transposed reshape (``[K, M@data] ->
 [B]``, a backward pass) runs the rounds the other way and gives ``[B@data]``.
 
 Where ``K`` is a multiple of ``n`` the reshape is free (``xs: [K@data, M]``),
@@ -47,6 +49,7 @@ from jax.extend.core import Literal
 
 from gshard.spmd import factors
 from gshard.spmd.collectives import is_key
+from gshard.spmd.exchange import Exchange
 from gshard.spmd.rules.control import accumulators
 from gshard.spmd.sharding import Axes, TensorSharding, itemsize
 
@@ -138,9 +141,10 @@ def moved_bytes(bound, layout_of, mesh) -> float | None:
   n = math.prod(mesh[a] for a in move.axes)
   if u.shape[src] % n or r.shape[dst] % n:
     return None
-  dest = schedule(move.count, n)[1]
-  rounds = sum(bool((row != np.arange(n)).any()) for row in dest)
-  return rounds * (math.prod(u.shape) // n // move.count) * itemsize(u.dtype)
+  # the block the rows move in: the compound dim's (a merge's after its local reshape)
+  shape = tuple(u.shape) if not move.merge else tuple(r.shape)
+  block = tuple(m // n if d == move.compound else m for d, m in enumerate(shape))
+  return exchange_of(move, block, move.compound, itemsize(u.dtype), n).bytes_per_device
 
 
 def _one_to_one(b) -> tuple | None:
@@ -396,6 +400,36 @@ def propose_scans(graph, touching) -> set[int]:
 
 
 @functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
+def exchange_of(move: Move, local_shape: tuple[int, ...], dim: int,
+                item_bytes: int, n: int) -> Exchange:
+  """The move as an exchange (``exchange.py``'s form, run by
+  ``collectives.run_exchange``) on a device's block of ``local_shape``
+  whose ``dim`` holds its ``K`` pieces: a round whose every piece stays
+  where it is is a held slot; each other round a ppermute of one piece per
+  device. A merge runs the rounds the other way."""
+  piece, dest, sender, lands = schedule(move.count, n)
+  if move.merge:
+    piece, dest, lands = lands, sender, piece
+  rows = local_shape[dim] // move.count
+  at = lambda r: tuple(tuple(int(p) * rows if d == dim else 0 for d in range(len(local_shape)))
+                       for p in piece[r])
+  stay = [r for r in range(move.count) if (dest[r] == np.arange(n)).all()]
+  moved = [r for r in range(move.count) if r not in stay]
+  slot = {r: i for i, r in enumerate(stay + moved)}
+  take = [[0] * move.count for _ in range(n)]
+  for r in range(move.count):
+    for t in range(n):
+      take[t][int(lands[r, t])] = slot[r]
+  shape = tuple(rows if d == dim else m for d, m in enumerate(local_shape))
+  return Exchange(
+      tuple(move.axes), shape,
+      tuple(move.count if d == dim else 1 for d in range(len(local_shape))),
+      tuple(at(r) for r in stay),
+      tuple((tuple((s, int(dest[r, s])) for s in range(n)), at(r)) for r in moved),
+      tuple(map(tuple, take)), len(moved) * math.prod(shape) * item_bytes)
+
+
 def schedule(count: int, n: int):
   """The ppermute rounds of a split move (memoised), or None if they do not
   come out as permutations: per round ``r`` (``count`` of them), for each source

@@ -8,7 +8,8 @@ generic rule gathers it (its sharding rule blocks it). ``concatenate`` and
 ``split`` along a split dim have no rule here: the generic plan moves the
 split to another dim first (``PIECES`` in ``partition/plan.py``) or gathers.
 ``reshape`` of a split dim into micro-batches (``[B@data] -> [K, M@data]``,
-``spmd/relayout.py``) moves rows by ppermute rounds, then reshapes locally.
+``spmd/relayout.py``) moves rows by ppermute rounds (an exchange), then reshapes
+locally.
 """
 
 from __future__ import annotations
@@ -219,34 +220,24 @@ def reshape_rule(ctx: Context, eqn, ins, scope, idx) -> list[Value]:
   v = ctx.reshard(v, op_s, eqn, "operand 0")
   local = out_s.local_shape(out_shape, ctx.mesh_sizes)
   if move.merge:     # recorded as the result's rows, of the operand's dtype
-    y = _move_rows(ctx, lax.reshape(v.x, local), move.compound, move, True, eqn, out_s,
+    y = _move_rows(ctx, lax.reshape(v.x, local), move.compound, move, eqn, out_s,
                    out_shape, v.dtype)
   else:
-    y = lax.reshape(_move_rows(ctx, v.x, move.compound, move, False, eqn, op_s, v.shape,
+    y = lax.reshape(_move_rows(ctx, v.x, move.compound, move, eqn, op_s, v.shape,
                                v.dtype), local)
   return [Value(y, out_s, out_shape, eqn.outvars[0].aval.dtype)]
 
 
-def _move_rows(ctx: Context, x, dim: int, move: relayout.Move, back: bool, eqn,
+def _move_rows(ctx: Context, x, dim: int, move: relayout.Move, eqn,
                layout: TensorSharding, shape, dtype):
   """This device's block of ``dim`` (``K`` pieces of ``M/n`` rows) after the
-  ppermute rounds of ``move`` (``back``: the rounds reversed, a merge); the
-  rounds are recorded as moving rows of a value of ``shape`` laid out as
-  ``layout`` (the blocks keep their size, in another order)."""
-  n = ctx.num_shards(move.axes)
-  piece, dest, sender, lands = relayout.schedule(move.count, n)
-  if back:
-    piece, dest, lands = lands, sender, piece
-  me = ctx.linear_index(move.axes)
-  rows = np.shape(x)[dim] // move.count
-  out = jnp.zeros_like(x)
-  for r in range(move.count):
-    blk = collectives.local_slice(x, jnp.asarray(piece[r], jnp.int32)[me] * rows, rows, dim)
-    if (dest[r] != np.arange(n)).any():
-      blk = permute(ctx, blk, move.axes, lambda i, to=dest[r]: int(to[i]))
-      ctx.record("ppermute", move.axes, int(np.prod(np.shape(blk))) * itemsize(x.dtype),
-                 eqn, f"operand 0 rows moved to dim {relayout.target_dim(move)} (piece "
-                 f"{r + 1} of {move.count})", layout, layout, shape, dtype)
-    out = lax.dynamic_update_slice_in_dim(out, blk, jnp.asarray(lands[r], jnp.int32)[me]
-                                          * rows, dim)
-  return out
+  ppermute rounds of ``move`` (a merge: the rounds reversed), run as an
+  exchange; the rounds are recorded as moving rows of a value of ``shape``
+  laid out as ``layout`` (the blocks keep their size, in another order)."""
+  ex = relayout.exchange_of(move, tuple(np.shape(x)), dim, itemsize(x.dtype),
+                            ctx.num_shards(move.axes))
+  for r in range(len(ex.rounds)):
+    ctx.record("ppermute", move.axes, ex.bytes_per_device // len(ex.rounds), eqn,
+               f"operand 0 rows moved to dim {relayout.target_dim(move)} (round "
+               f"{r + 1} of {len(ex.rounds)})", layout, layout, shape, dtype)
+  return collectives.run_exchange(x, ex, ctx.mesh_sizes)
