@@ -14,8 +14,9 @@ piece ``c`` going to device ``(s*K + c) % n``, where it is micro-batch
 ``(s*K + c) // n``; ``K`` ppermute rounds, each a permutation of the devices,
 send the block's bytes once in all. They run as an exchange
 (:func:`exchange_of`: ``exchange.py``'s tables, run by
-``collectives.run_exchange`` as a move between layouts is). The transposed reshape (``[K, M@data] ->
-[B]``, a backward pass) runs the rounds the other way and gives ``[B@data]``.
+``collectives.run_exchange`` as a move between layouts is). The transposed
+reshape (``[K, M@data] -> [B]``, a backward pass) runs the rounds the other
+way and gives ``[B@data]``.
 
 Where ``K`` is a multiple of ``n`` the reshape is free (``xs: [K@data, M]``),
 and a scan over the micro-batches would gather ``xs``: a loop over
