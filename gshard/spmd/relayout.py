@@ -400,7 +400,6 @@ def propose_scans(graph, touching) -> set[int]:
   return out
 
 
-@functools.lru_cache(maxsize=256)
 @functools.lru_cache(maxsize=1024)
 def exchange_of(move: Move, local_shape: tuple[int, ...], dim: int,
                 item_bytes: int, n: int) -> Exchange:
@@ -431,6 +430,7 @@ def exchange_of(move: Move, local_shape: tuple[int, ...], dim: int,
       tuple(map(tuple, take)), len(moved) * math.prod(shape) * item_bytes)
 
 
+@functools.lru_cache(maxsize=256)
 def schedule(count: int, n: int):
   """The ppermute rounds of a split move (memoised), or None if they do not
   come out as permutations: per round ``r`` (``count`` of them), for each source

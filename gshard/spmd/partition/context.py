@@ -157,14 +157,11 @@ class Context:
     self._memo: dict[tuple, list] = {}
     # id of a local array -> [(trace, the array, a complete Value resharded from it)]
     self._layouts: dict[int, list] = {}
-    # (id of a local array, src, shape) -> [(trace, the array, {steps run: result})]
-    self._steps_run: dict[tuple, list] = {}
 
   def forget(self) -> None:
     """Drop the reshards remembered while tracing (call before and after a trace)."""
     self._memo.clear()
     self._layouts.clear()
-    self._steps_run.clear()
 
   def run_jaxpr(self, jaxpr, scope: tuple, consts, args: list[Value]) -> list[Value]:
     """Interpret ``jaxpr`` (in ``scope``) on per-device values; its outputs' values."""
@@ -274,13 +271,7 @@ class Context:
   def _done(self, v: Value) -> dict:
     """The steps already run on ``v``'s block in this trace, each prefix of a
     plan to its result (see :func:`collectives.apply_plan_sharing`)."""
-    key, trace = (id(v.x), v.sharding, tuple(v.shape), str(v.dtype)), get_opaque_trace_state()
-    for seen_trace, seen_x, done in self._steps_run.get(key, ()):
-      if seen_x is v.x and seen_trace == trace:
-        return done
-    done = {}
-    self._steps_run.setdefault(key, []).append((trace, v.x, done))   # keeps x alive
-    return done
+    return self.once(("steps run", v.sharding, tuple(v.shape), str(v.dtype)), v.x, dict)
 
   def once(self, key: tuple, x, make: Callable[[], Any]) -> Any:
     """``make()``, computed once per (``key``, local array ``x``, trace) and
